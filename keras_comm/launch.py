@@ -1,0 +1,643 @@
+"""Local multi-process launcher: `keras-comm-run -n N script.py [args...]`.
+
+Starts N copies of a Python script (or module) on this machine, each with the
+`TF_CONFIG` that `tf.distribute.MultiWorkerMirroredStrategy` reads, prefixes
+every output line with the worker's rank, and tears the whole job down as soon
+as one worker fails, the launcher is interrupted, or an optional timeout
+expires.
+
+This module uses only the standard library: the launcher itself never imports
+TensorFlow, so starting a job costs nothing beyond the workers' own start-up.
+
+Example:
+
+```
+keras-comm-run -n 2 train.py --epochs 1
+python -m keras_comm.launch -n 2 -m examples.mnist --epochs 1
+```
+
+From Python (tests, benchmarks):
+
+```python
+from keras_comm import launch
+exit_code = launch.run(["train.py", "--epochs", "1"], num_workers=2, timeout=600)
+```
+"""
+
+import argparse
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+PROG = "keras-comm-run"
+
+# Exit codes of the launcher besides a failed worker's own code.
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124  # Same as coreutils `timeout`.
+
+# Stopping the other workers: first signal, then SIGKILL after this grace.
+# grace + the SIGKILL wait stays well under the 10 s promised in --help.
+_STOP_GRACE_SECONDS = 5.0
+_KILL_WAIT_SECONDS = 2.0
+_POLL_SECONDS = 0.05
+# How long to wait for output still buffered in the pipes after a worker has
+# exited (a stray grandchild may hold a pipe open forever).
+_DRAIN_SECONDS = 3.0
+
+_EPILOG = """\
+environment of each worker:
+  TF_CONFIG               {"cluster": {"worker": ["127.0.0.1:p0", ...]},
+                           "task": {"type": "worker", "index": i}}
+                          read by tf.distribute.MultiWorkerMirroredStrategy.
+  KERAS_COMM_RANK         i (informational)
+  KERAS_COMM_WORLD_SIZE   N (informational)
+  PYTHONUNBUFFERED        1, so worker output streams promptly.
+  Every other variable is inherited unchanged.
+
+ports and binding:
+  N free TCP ports are picked on --host (default 127.0.0.1, loopback), or
+  --base-port P uses P..P+N-1. TensorFlow's gRPC server is unauthenticated
+  and runs any graph it is sent, so a non-loopback --host is refused unless
+  --allow-non-loopback is also given; only do that on an isolated network.
+
+output:
+  Each line a worker writes is printed as "[rank i] <line>": stdout to stdout,
+  stderr to stderr. --no-prefix prints the lines unchanged.
+
+exit status:
+  0        every worker exited 0
+  k        the first worker to fail exited with code k; the others were
+           stopped (SIGTERM to each process group, SIGKILL 5 s later)
+  128+s    the first worker to fail was killed by signal s
+  124      --timeout expired; all workers were stopped
+  130/143  the launcher got SIGINT/SIGTERM; it was forwarded to all workers,
+           which were then stopped
+  2        bad launcher arguments
+
+several hosts (this launcher only starts processes on this machine):
+  - by hand: on each host run the script with TF_CONFIG listing every
+    host:port in "cluster" and that host's own "task" index;
+  - Slurm: tf.distribute.cluster_resolver.SlurmClusterResolver() passed to
+    MultiWorkerMirroredStrategy(cluster_resolver=...) under srun;
+  - Kubernetes: a controller that sets TF_CONFIG per pod (e.g. Kubeflow's
+    TFJob).
+  Keep the cluster network isolated: the gRPC port accepts any client.
+"""
+
+
+class LaunchError(ValueError):
+    """Launcher input that cannot be run (bad host, busy port, ...)."""
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers: addresses, ports, environments.
+# ---------------------------------------------------------------------------
+
+
+def _resolve_host(host):
+    """Returns the IP addresses `host` resolves to, or raises LaunchError."""
+    if not isinstance(host, str) or not host or host != host.strip():
+        raise LaunchError(
+            f"`host` must be a non-empty IP address or host name. Received: host={host!r}"
+        )
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise LaunchError(
+            f"`host` must be an IP address or a resolvable host name "
+            f"({e}). Received: host={host!r}"
+        ) from None
+    return sorted({info[4][0] for info in infos})
+
+
+def _is_loopback(addresses):
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _check_host(host, allow_non_loopback):
+    addresses = _resolve_host(host)
+    if not allow_non_loopback and not _is_loopback(addresses):
+        raise LaunchError(
+            f"refusing to bind TensorFlow's gRPC server to the non-loopback "
+            f"address {host!r} ({', '.join(addresses)}): that server is "
+            f"unauthenticated and runs any graph it is sent, so anyone who can "
+            f"reach the port can run code as you. Use --allow-non-loopback "
+            f"(allow_non_loopback=True) only on an isolated network. "
+            f"Received: host={host!r}"
+        )
+    return addresses
+
+
+def _address(host, port):
+    """`host:port`, with IPv6 literals bracketed as gRPC expects."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def _socket_family(host):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def pick_ports(num_workers, host="127.0.0.1", base_port=0):
+    """Returns `num_workers` distinct TCP ports that are free on `host`.
+
+    With `base_port=0` the OS chooses each port (bind to port 0); all sockets
+    stay open until every port is chosen, so the ports are distinct. With a
+    `base_port`, the ports are `base_port .. base_port + num_workers - 1` and
+    each is checked to be free.
+
+    Raises:
+        LaunchError: if a requested port is in use or cannot be bound.
+    """
+    family = socket.AF_INET
+    bind_host = host
+    try:
+        family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        family = _socket_family(host)
+    sockets = []
+    try:
+        for i in range(num_workers):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(s)
+            port = base_port + i if base_port else 0
+            try:
+                s.bind((bind_host, port))
+            except OSError as e:
+                raise LaunchError(
+                    f"cannot bind {_address(host, port)} ({e.strerror or e}). "
+                    f"Received: host={host!r}, base_port={base_port}"
+                ) from None
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_config(addresses, rank):
+    """The TF_CONFIG dict for worker `rank` of the cluster `addresses`."""
+    return {
+        "cluster": {"worker": list(addresses)},
+        "task": {"type": "worker", "index": rank},
+    }
+
+
+def worker_env(base_env, addresses, rank):
+    """A copy of `base_env` with the variables worker `rank` needs."""
+    env = dict(base_env)
+    env["TF_CONFIG"] = json.dumps(tf_config(addresses, rank))
+    env["KERAS_COMM_RANK"] = str(rank)
+    env["KERAS_COMM_WORLD_SIZE"] = str(len(addresses))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _describe_status(returncode):
+    """(launcher exit code, human text) for a worker's Popen.returncode."""
+    if returncode < 0:
+        signum = -returncode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return 128 + signum, f"killed by {name}"
+    return returncode, f"exit code {returncode}"
+
+
+# ---------------------------------------------------------------------------
+# Output forwarding.
+# ---------------------------------------------------------------------------
+
+
+class _Printer:
+    """Writes whole lines to a text stream under a lock, never raising."""
+
+    def __init__(self, stream, lock):
+        self._stream = stream
+        self._lock = lock
+
+    def write_line(self, text):
+        if not text.endswith("\n"):
+            text += "\n"
+        with self._lock:
+            try:
+                self._stream.write(text)
+                self._stream.flush()
+            except UnicodeEncodeError:
+                encoding = getattr(self._stream, "encoding", None) or "ascii"
+                safe = text.encode(encoding, "backslashreplace").decode(encoding)
+                try:
+                    self._stream.write(safe)
+                    self._stream.flush()
+                except (OSError, ValueError):
+                    pass
+            except (OSError, ValueError):
+                # Closed or broken destination (e.g. piped into `head`): keep
+                # draining the worker's pipe so the worker never blocks.
+                pass
+
+
+def _pump(pipe, printer, prefix):
+    """Copies `pipe` to `printer` line by line until EOF (partial lines too)."""
+    try:
+        for raw in iter(pipe.readline, b""):
+            printer.write_line(prefix + raw.decode("utf-8", errors="replace"))
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------
+# The job.
+# ---------------------------------------------------------------------------
+
+
+def _signal_group(proc, signum):
+    """Sends `signum` to the worker's process group; False if it is gone."""
+    try:
+        os.killpg(proc.pid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+class _Job:
+    """N worker processes, their output threads, and how to stop them."""
+
+    def __init__(self, commands, envs, prefix, out, err):
+        self.procs = []
+        self.threads = []
+        self._out = out
+        self._err = err
+        self._prefix = prefix
+        try:
+            for rank, (command, env) in enumerate(zip(commands, envs)):
+                self._start(rank, command, env)
+        except BaseException:
+            self.stop(signal.SIGKILL, grace=0.0)
+            raise
+
+    def _start(self, rank, command, env):
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Own process group: the terminal's Ctrl-C reaches only the
+            # launcher, which forwards it, and killpg reaches grandchildren.
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        tag = f"[rank {rank}] " if self._prefix else ""
+        for pipe, printer in ((proc.stdout, self._out), (proc.stderr, self._err)):
+            thread = threading.Thread(
+                target=_pump,
+                args=(pipe, printer, tag),
+                name=f"keras-comm-run rank {rank}",
+                daemon=True,
+            )
+            thread.start()
+            self.threads.append(thread)
+
+    def running(self):
+        return [p for p in self.procs if p.poll() is None]
+
+    def stop(self, first_signal, grace=_STOP_GRACE_SECONDS, should_escalate=None):
+        """Signals every worker's group, then SIGKILLs what is left.
+
+        Returns the number of workers that were still running.
+        """
+        alive = self.running()
+        for proc in alive:
+            _signal_group(proc, first_signal)
+        deadline = time.monotonic() + grace
+        while self.running() and time.monotonic() < deadline:
+            if should_escalate is not None and should_escalate():
+                break
+            time.sleep(_POLL_SECONDS)
+        # SIGKILL every group, including groups whose leader already exited
+        # but left children behind: nothing of the job may outlive it.
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGKILL)
+        deadline = time.monotonic() + _KILL_WAIT_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return len(alive)
+
+    def drain(self):
+        """Waits (bounded) for the output threads to print what is buffered."""
+        deadline = time.monotonic() + _DRAIN_SECONDS
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _SignalCatcher:
+    """Records SIGINT/SIGTERM sent to the launcher (main thread only)."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = []
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.received.append(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self._SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def _python_command(command):
+    """`[sys.executable, *command]` after checking `command`'s shape."""
+    if isinstance(command, (str, bytes)) or not command:
+        raise LaunchError(
+            "`command` must be a non-empty list such as ['script.py', '--x'] "
+            f"or ['-m', 'package.module']. Received: command={command!r}"
+        )
+    command = [os.fspath(c) for c in command]
+    if command[0] == "-m":
+        if len(command) < 2 or not command[1] or command[1].startswith("-"):
+            raise LaunchError(
+                f"`-m` must be followed by a module name. Received: command={command!r}"
+            )
+    elif not os.path.isfile(command[0]):
+        raise LaunchError(
+            f"`script` must be an existing file. Received: script={command[0]!r}"
+        )
+    return [sys.executable, *command]
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LaunchError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+
+
+def run(
+    command,
+    num_workers,
+    *,
+    host="127.0.0.1",
+    allow_non_loopback=False,
+    timeout=None,
+    env=None,
+    prefix=True,
+    stdout=None,
+    stderr=None,
+    base_port=0,
+):
+    """Runs `num_workers` copies of a Python command as a local MWMS cluster.
+
+    Args:
+        command: list of arguments for the Python interpreter, e.g.
+            `["train.py", "--epochs", "1"]` or `["-m", "pkg.mod", "--x"]`.
+        num_workers: number of worker processes, >= 1.
+        host: address every worker binds and is reached at. Loopback unless
+            `allow_non_loopback=True`.
+        allow_non_loopback: permit a non-loopback `host`. TensorFlow's gRPC
+            server is unauthenticated: only use on an isolated network.
+        timeout: seconds after which all workers are stopped (None: no limit).
+        env: extra environment variables for the workers, layered over
+            `os.environ`. The launcher's own environment is never changed.
+        prefix: prefix each output line with `[rank i] `.
+        stdout: text stream for the workers' stdout (default `sys.stdout`).
+        stderr: text stream for the workers' stderr and the launcher's own
+            messages (default `sys.stderr`).
+        base_port: 0 to pick free ports, else use ports
+            `base_port .. base_port + num_workers - 1`.
+
+    Returns:
+        0 if every worker exited 0; else the first failed worker's exit code
+        (128 + signal number for a signal death), 124 on timeout, or
+        130 / 143 if the launcher received SIGINT / SIGTERM.
+
+    Raises:
+        LaunchError (a ValueError): invalid arguments, a refused host or a
+            busy port. Nothing has been started when it is raised.
+    """
+    _check_positive_int("num_workers", num_workers)
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise LaunchError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
+    if (
+        isinstance(base_port, bool)
+        or not isinstance(base_port, int)
+        or base_port < 0
+        or (base_port and base_port + num_workers - 1 > 65535)
+    ):
+        raise LaunchError(
+            "`base_port` must be 0 (pick free ports) or a port such that "
+            f"base_port + num_workers - 1 <= 65535. Received: base_port={base_port!r}"
+        )
+    python_command = _python_command(command)
+    _check_host(host, allow_non_loopback)
+    ports = pick_ports(num_workers, host, base_port)
+    addresses = [_address(host, port) for port in ports]
+
+    base_env = dict(os.environ)
+    if env:
+        base_env.update({str(k): str(v) for k, v in env.items()})
+    envs = [worker_env(base_env, addresses, rank) for rank in range(num_workers)]
+
+    lock = threading.Lock()
+    out = _Printer(stdout if stdout is not None else sys.stdout, lock)
+    err = _Printer(stderr if stderr is not None else sys.stderr, lock)
+
+    with _SignalCatcher() as catcher:
+        job = _Job([python_command] * num_workers, envs, prefix, out, err)
+        return _supervise(job, catcher, timeout, err)
+
+
+def _supervise(job, catcher, timeout, err):
+    """Waits for the job to finish, fail, time out or be interrupted."""
+    start = time.monotonic()
+    message = None
+    exit_code = 0
+    while True:
+        if catcher.received:
+            signum = catcher.received[0]
+            name = signal.Signals(signum).name
+            # A second Ctrl-C while stopping skips the grace period.
+            stopped = job.stop(signum, should_escalate=lambda: len(catcher.received) > 1)
+            exit_code = 128 + signum
+            message = f"{PROG}: received {name}; stopped {stopped} worker(s)."
+            break
+        failed = None
+        for rank, proc in enumerate(job.procs):
+            code = proc.poll()
+            if code is not None and code != 0:
+                failed = (rank, code)
+                break
+        if failed is not None:
+            rank, code = failed
+            exit_code, text = _describe_status(code)
+            exit_code = exit_code or 1
+            stopped = job.stop(signal.SIGTERM)
+            message = (
+                f"{PROG}: worker rank {rank} failed ({text}); "
+                f"stopped the other {stopped} worker(s)."
+            )
+            break
+        if all(p.returncode == 0 for p in job.procs):
+            job.stop(signal.SIGTERM, grace=1.0)  # Leftover grandchildren only.
+            break
+        if timeout is not None and time.monotonic() - start > timeout:
+            stopped = job.stop(signal.SIGTERM)
+            exit_code = EXIT_TIMEOUT
+            message = (
+                f"{PROG}: timed out after {timeout:g} s; stopped {stopped} worker(s)."
+            )
+            break
+        time.sleep(_POLL_SECONDS)
+    job.drain()
+    if message:
+        err.write_line(message)
+    return exit_code
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------
+
+
+def _build_parser():
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=(
+            f"{PROG} -n N [options] script.py [script args ...]\n"
+            f"       {PROG} -n N [options] -m module [module args ...]\n"
+            "       python -m keras_comm.launch -n N [options] ..."
+        ),
+        description=(
+            "Run N copies of a Python script on this machine as a "
+            "tf.distribute.MultiWorkerMirroredStrategy cluster over loopback. "
+            "Everything after the script (or -m module) is passed to it unchanged."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "-n", "--num-workers", type=int, required=True, metavar="N",
+        help="number of worker processes (>= 1)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address the workers bind and reach each other at (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--allow-non-loopback", action="store_true",
+        help="permit a non-loopback --host (unauthenticated gRPC: isolated networks only)",
+    )
+    parser.add_argument(
+        "--base-port", type=int, default=0, metavar="PORT",
+        help="use ports PORT..PORT+N-1 instead of picking free ones",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS",
+        help=f"stop all workers after SECONDS and exit {EXIT_TIMEOUT}",
+    )
+    parser.add_argument(
+        "--no-prefix", dest="prefix", action="store_false",
+        help='do not prefix output lines with "[rank i] "',
+    )
+    parser.add_argument(
+        "-m", dest="module", metavar="module",
+        help="run a module as a script, like `python -m` (must come last)",
+    )
+    return parser
+
+
+def _split_argv(parser, argv):
+    """Splits argv into (launcher options, worker command).
+
+    The worker command starts at the first argument that is neither an
+    option nor an option's value: the script, or `-m module`. It is passed
+    on byte for byte (argparse would drop a `--` after the script).
+    """
+    takes_value = {
+        option
+        for action in parser._actions
+        if action.nargs != 0
+        for option in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if arg == "-m":
+            return argv[:i], argv[i:]
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return argv[:i], ["-m", arg[2:], *argv[i + 1 :]]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        if arg in takes_value:
+            i += 2
+        else:
+            i += 1
+    return argv, []
+
+
+def main(argv=None):
+    """Console entry point. Returns the exit status (see `--help`)."""
+    parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_args, command = _split_argv(parser, argv)
+    args = parser.parse_args(launcher_args)
+
+    if args.num_workers < 1:
+        parser.error(f"-n must be >= 1. Received: -n {args.num_workers}")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be > 0. Received: --timeout {args.timeout:g}")
+    if args.base_port and not 1 <= args.base_port <= 65536 - args.num_workers:
+        parser.error(
+            f"--base-port must be 0 or a port with PORT+N-1 <= 65535. "
+            f"Received: --base-port {args.base_port}"
+        )
+    if not command:
+        parser.error("a script (or -m module) to run is required.")
+    if command[0] == "-m" and (len(command) < 2 or not command[1]):
+        parser.error("-m must be followed by a module name. Received: -m")
+    if command[0] != "-m" and not os.path.isfile(command[0]):
+        parser.error(f"script must be an existing file. Received: script {command[0]!r}")
+
+    try:
+        return run(
+            command,
+            args.num_workers,
+            host=args.host,
+            allow_non_loopback=args.allow_non_loopback,
+            timeout=args.timeout,
+            prefix=args.prefix,
+            base_port=args.base_port,
+        )
+    except LaunchError as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

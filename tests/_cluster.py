@@ -1,0 +1,229 @@
+"""Harness for multi-process tests: run a worker script as a local cluster.
+
+Test side:
+
+```python
+from _cluster import run_cluster
+
+def test_all_reduce():
+    result = run_cluster("workers/all_reduce.py", 2, "--size", "8").check()
+    assert [r["sum"] for r in result.results] == [2.0, 2.0]
+```
+
+Worker side (the tests directory is on the workers' PYTHONPATH):
+
+```python
+from _cluster import write_result
+write_result({"sum": float(total)})
+```
+
+The launcher runs with `--timeout`, so a deadlocked collective fails the
+test instead of hanging CI. This module imports neither TensorFlow nor Keras,
+so worker scripts can import it before configuring TensorFlow.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+
+OUT_DIR_VAR = "KERAS_COMM_TEST_OUT"
+
+# Extra seconds the harness waits beyond the launcher's own --timeout before
+# it stops the launcher itself (the launcher should always finish first).
+_HARNESS_SLACK_SECONDS = 30
+_OUTPUT_TAIL_CHARS = 8000
+
+
+class ClusterResult:
+    """What a cluster run produced.
+
+    Attributes:
+        returncode: the launcher's exit status (see `keras-comm-run --help`).
+        output: the launcher's combined stdout and stderr, every worker line
+            prefixed with `[rank i] `.
+        results: per-rank objects written with `write_result`, ordered by
+            rank; `None` for a rank that wrote nothing.
+        out_dir: the directory the workers wrote into (removed afterwards
+            unless the caller passed `out_dir`).
+    """
+
+    def __init__(self, returncode, output, results, out_dir):
+        self.returncode = returncode
+        self.output = output
+        self.results = results
+        self.out_dir = out_dir
+
+    def tail(self, chars=_OUTPUT_TAIL_CHARS):
+        """The last `chars` characters of the output."""
+        if len(self.output) <= chars:
+            return self.output
+        return "[... output truncated ...]\n" + self.output[-chars:]
+
+    def check(self):
+        """Raises AssertionError unless every rank exited 0 and wrote a result.
+
+        Returns:
+            self, so `result = run_cluster(...).check()` reads naturally.
+        """
+        missing = [rank for rank, r in enumerate(self.results) if r is None]
+        if self.returncode != 0 or missing:
+            problems = []
+            if self.returncode != 0:
+                problems.append(f"launcher exited {self.returncode}")
+            if missing:
+                problems.append(f"no result from rank(s) {missing}")
+            raise AssertionError(
+                f"cluster run failed: {'; '.join(problems)}.\n"
+                f"--- output tail ---\n{self.tail()}\n--- end of output ---"
+            )
+        return self
+
+    def __repr__(self):
+        return (
+            f"ClusterResult(returncode={self.returncode}, "
+            f"results={self.results!r}, output=<{len(self.output)} chars>)"
+        )
+
+
+def _resolve_script(script):
+    """Absolute script path; relative paths may be relative to tests/."""
+    path = Path(script)
+    if not path.is_absolute() and not path.exists() and (TESTS_DIR / path).exists():
+        path = TESTS_DIR / path
+    return str(path.resolve())
+
+
+def cluster_env(out_dir, env=None):
+    """Environment for the launcher (and so for the workers)."""
+    child_env = dict(os.environ)
+    child_env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    pythonpath = [str(TESTS_DIR), str(REPO_DIR)]
+    if child_env.get("PYTHONPATH"):
+        pythonpath.append(child_env["PYTHONPATH"])
+    child_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    child_env[OUT_DIR_VAR] = str(out_dir)
+    if env:
+        child_env.update({str(k): str(v) for k, v in env.items()})
+    return child_env
+
+
+def launcher_command(script, num_workers, *args, timeout=300):
+    """The argv `run_cluster` runs: `python -m keras_comm.launch ...`."""
+    return [
+        sys.executable, "-m", "keras_comm.launch",
+        "-n", str(num_workers),
+        "--timeout", str(timeout),
+        _resolve_script(script),
+        *[str(a) for a in args],
+    ]
+
+
+def _read_results(out_dir, num_workers):
+    results = []
+    for rank in range(num_workers):
+        path = Path(out_dir) / f"rank{rank}.json"
+        try:
+            results.append(json.loads(path.read_text()))
+        except FileNotFoundError:
+            results.append(None)
+    return results
+
+
+def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None):
+    """Runs `script` on `num_workers` local worker processes.
+
+    Args:
+        script: path of the worker script (absolute, relative to the current
+            directory, or relative to tests/).
+        num_workers: number of workers.
+        *args: arguments passed to every worker.
+        timeout: seconds before the launcher stops the job (non-zero exit).
+        env: extra environment variables for the workers.
+        out_dir: directory for the workers' results; kept afterwards. By
+            default a fresh temporary directory, removed after reading.
+
+    Returns:
+        A ClusterResult. Call `.check()` to assert success.
+    """
+    keep = out_dir is not None
+    if keep:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        out_dir = Path(tempfile.mkdtemp(prefix="keras_comm_test_"))
+    try:
+        proc = subprocess.Popen(
+            launcher_command(script, num_workers, *args, timeout=timeout),
+            env=cluster_env(out_dir, env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout + _HARNESS_SLACK_SECONDS)
+        except subprocess.TimeoutExpired:
+            # The launcher forwards SIGTERM and stops its workers.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                output, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+            output += "\n[_cluster: launcher did not finish; stopped by the harness]\n"
+        results = _read_results(out_dir, num_workers)
+    finally:
+        if not keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    return ClusterResult(proc.returncode, output, results, out_dir)
+
+
+# ---------------------------------------------------------------------------
+# Worker side.
+# ---------------------------------------------------------------------------
+
+
+def rank():
+    """This worker's rank: KERAS_COMM_RANK, else TF_CONFIG's task index, else 0."""
+    if "KERAS_COMM_RANK" in os.environ:
+        return int(os.environ["KERAS_COMM_RANK"])
+    tf_config = os.environ.get("TF_CONFIG")
+    if tf_config:
+        return int(json.loads(tf_config).get("task", {}).get("index", 0))
+    return 0
+
+
+def _to_json(value):
+    # Tensors and numpy values, without importing either library here.
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"write_result cannot serialize {type(value).__name__}: {value!r}")
+
+
+def write_result(obj):
+    """Writes `obj` as this worker's JSON result for `run_cluster`.
+
+    Tensors and numpy arrays/scalars are converted with `.tolist()`. The file
+    is written atomically, so a crash never leaves half a result.
+    """
+    out_dir = os.environ.get(OUT_DIR_VAR)
+    if not out_dir:
+        raise RuntimeError(
+            f"write_result needs ${OUT_DIR_VAR}; run the script through run_cluster."
+        )
+    path = Path(out_dir) / f"rank{rank()}.json"
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, default=_to_json))
+    os.replace(tmp, path)
+    return path
