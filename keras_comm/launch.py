@@ -60,11 +60,14 @@ environment of each worker:
   PYTHONUNBUFFERED        1, so worker output streams promptly.
   Every other variable is inherited unchanged.
 
-ports and binding:
-  N free TCP ports are picked on --host (default 127.0.0.1, loopback), or
-  --base-port P uses P..P+N-1. TensorFlow's gRPC server is unauthenticated
-  and runs any graph it is sent, so a non-loopback --host is refused unless
-  --allow-non-loopback is also given; only do that on an isolated network.
+addresses and ports:
+  TF_CONFIG names --host (default 127.0.0.1, loopback) with N free TCP ports,
+  or with ports P..P+N-1 given --base-port P. Workers reach each other only
+  at these addresses. TensorFlow's gRPC server is unauthenticated and runs any
+  graph it is sent, so a non-loopback --host is refused unless
+  --allow-non-loopback is also given. Note: TensorFlow itself listens on
+  0.0.0.0:port whatever TF_CONFIG says; on a machine with other network
+  interfaces, firewall the ports or run in an isolated network namespace.
 
 output:
   Each line a worker writes is printed as "[rank i] <line>": stdout to stdout,
@@ -124,8 +127,8 @@ def _check_host(host, allow_non_loopback):
     addresses = _resolve_host(host)
     if not allow_non_loopback and not _is_loopback(addresses):
         raise LaunchError(
-            f"refusing to bind TensorFlow's gRPC server to the non-loopback "
-            f"address {host!r} ({', '.join(addresses)}): that server is "
+            f"refusing to run the TensorFlow cluster on the non-loopback "
+            f"address {host!r} ({', '.join(addresses)}): its gRPC server is "
             f"unauthenticated and runs any graph it is sent, so anyone who can "
             f"reach the port can run code as you. Use --allow-non-loopback "
             f"(allow_non_loopback=True) only on an isolated network. "
@@ -142,38 +145,45 @@ def _address(host, port):
 
 
 def _socket_family(host):
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+    """AF_INET6 for an IPv6 literal or a name resolving only to IPv6."""
+    try:
+        families = {info[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        families = set()
+    if ":" in host or families == {socket.AF_INET6}:
+        return socket.AF_INET6
+    return socket.AF_INET
 
 
 def pick_ports(num_workers, host="127.0.0.1", base_port=0):
-    """Returns `num_workers` distinct TCP ports that are free on `host`.
+    """Returns `num_workers` distinct TCP ports that TensorFlow can listen on.
 
-    With `base_port=0` the OS chooses each port (bind to port 0); all sockets
-    stay open until every port is chosen, so the ports are distinct. With a
-    `base_port`, the ports are `base_port .. base_port + num_workers - 1` and
-    each is checked to be free.
+    TensorFlow's gRPC server listens on every interface (`0.0.0.0:port`)
+    whatever address TF_CONFIG gives, so ports are probed on the wildcard
+    address of `host`'s family: a port free only on loopback would still make
+    the worker fail to start. With `base_port=0` the OS chooses each port
+    (bind to port 0); all sockets stay open until every port is chosen, so
+    the ports are distinct. With a `base_port`, the ports are
+    `base_port .. base_port + num_workers - 1` and each is checked to be free.
 
     Raises:
         LaunchError: if a requested port is in use or cannot be bound.
     """
-    family = socket.AF_INET
-    bind_host = host
-    try:
-        family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror:
-        family = _socket_family(host)
+    family = _socket_family(host)
+    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
     sockets = []
     try:
         for i in range(num_workers):
+            port = base_port + i if base_port else 0
             s = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(s)
-            port = base_port + i if base_port else 0
             try:
-                s.bind((bind_host, port))
+                s.bind((wildcard, port))
             except OSError as e:
                 raise LaunchError(
-                    f"cannot bind {_address(host, port)} ({e.strerror or e}). "
-                    f"Received: host={host!r}, base_port={base_port}"
+                    f"cannot use port {port} ({e.strerror or e}); TensorFlow "
+                    f"listens on {_address(wildcard, port)}. "
+                    f"Received: base_port={base_port}"
                 ) from None
         return [s.getsockname()[1] for s in sockets]
     finally:
@@ -414,8 +424,9 @@ def run(
         command: list of arguments for the Python interpreter, e.g.
             `["train.py", "--epochs", "1"]` or `["-m", "pkg.mod", "--x"]`.
         num_workers: number of worker processes, >= 1.
-        host: address every worker binds and is reached at. Loopback unless
-            `allow_non_loopback=True`.
+        host: address the workers reach each other at (TF_CONFIG). Loopback
+            unless `allow_non_loopback=True`. TensorFlow itself listens on
+            all interfaces regardless.
         allow_non_loopback: permit a non-loopback `host`. TensorFlow's gRPC
             server is unauthenticated: only use on an isolated network.
         timeout: seconds after which all workers are stopped (None: no limit).
@@ -546,7 +557,7 @@ def _build_parser():
     )
     parser.add_argument(
         "--host", default="127.0.0.1",
-        help="address the workers bind and reach each other at (default: 127.0.0.1)",
+        help="address the workers reach each other at (default: 127.0.0.1)",
     )
     parser.add_argument(
         "--allow-non-loopback", action="store_true",

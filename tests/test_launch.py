@@ -1,0 +1,324 @@
+"""Tests for keras_comm.launch (`keras-comm-run`) and the tests/_cluster harness.
+
+Worker scripts live in tests/launch_scripts/. All but the last test only read
+environment variables in the workers, so they start in a fraction of a second.
+"""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _cluster import cluster_env, run_cluster
+from keras_comm import launch
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+REPORT_ENV = str(SCRIPTS / "report_env.py")
+MISBEHAVE = str(SCRIPTS / "misbehave.py")
+
+# The launcher promises to stop everything within 10 s of a failure.
+STOP_BUDGET_SECONDS = 10
+
+
+def _launch(out_dir, *argv, timeout=30):
+    """Runs `python -m keras_comm.launch *argv`; stdout and stderr separate."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_comm.launch", *argv],
+        env=cluster_env(out_dir),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _results(out_dir, num_workers):
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(num_workers)]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        # A zombie has exited; it only waits for its parent to reap it.
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _assert_all_gone(pids):
+    deadline = time.monotonic() + 1.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)], f"workers still alive: {pids}"
+
+
+def _wait_for_files(out_dir, num_workers, timeout=20):
+    paths = [Path(out_dir) / f"rank{r}.json" for r in range(num_workers)]
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, "workers never reported ready"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------
+# Success paths.
+# ---------------------------------------------------------------------------
+
+
+def test_success_prefixes_lines_and_sets_tf_config_per_rank(tmp_path):
+    proc = _launch(tmp_path, "-n", "3", REPORT_ENV, "--flag", "-n", "7", "--timeout", "x")
+
+    assert proc.returncode == 0, proc.stderr
+    for r in range(3):
+        assert f"[rank {r}] stdout line from rank {r}\n" in proc.stdout
+        assert f"[rank {r}] partial line from rank {r}\n" in proc.stdout
+        assert f"[rank {r}] stderr line from rank {r}\n" in proc.stderr
+    assert "stderr line" not in proc.stdout
+    assert "stdout line" not in proc.stderr
+
+    results = _results(tmp_path, 3)
+    workers = json.loads(results[0]["tf_config"])["cluster"]["worker"]
+    assert len(workers) == len(set(workers)) == 3
+    for r, result in enumerate(results):
+        assert json.loads(result["tf_config"]) == {
+            "cluster": {"worker": workers},
+            "task": {"type": "worker", "index": r},
+        }
+        assert result["rank"] == str(r)
+        assert result["world_size"] == "3"
+        # Everything after the script belongs to the script, launcher-like
+        # options included.
+        assert result["argv"] == ["--flag", "-n", "7", "--timeout", "x"]
+    for address in workers:
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and 0 < int(port) < 65536
+
+
+def test_module_form(tmp_path):
+    # tests/ is on the workers' PYTHONPATH (cluster_env), like a package dir.
+    proc = _launch(tmp_path, "-n", "2", "-m", "launch_scripts.report_env", "--epochs", "1")
+
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 1] stdout line from rank 1" in proc.stdout
+    assert [r["argv"] for r in _results(tmp_path, 2)] == [["--epochs", "1"]] * 2
+
+
+def test_no_prefix(tmp_path):
+    proc = _launch(tmp_path, "-n", "1", "--no-prefix", REPORT_ENV)
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "stdout line from rank 0\npartial line from rank 0\n"
+
+
+def test_run_api_routes_streams_and_layers_env(tmp_path, monkeypatch):
+    for key, value in cluster_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    environ_before = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+
+    code = launch.run(
+        [REPORT_ENV, "a"], 2, env={"KERAS_COMM_TEST_EXTRA": "x"}, stdout=out, stderr=err, timeout=30
+    )
+
+    assert code == 0, err.getvalue()
+    assert "[rank 0] stdout line from rank 0\n" in out.getvalue()
+    assert "[rank 1] stderr line from rank 1\n" in err.getvalue()
+    assert [r["extra"] for r in _results(tmp_path, 2)] == ["x", "x"]
+    assert dict(os.environ) == environ_before
+
+
+def test_run_api_validates_before_starting_anything(tmp_path):
+    with pytest.raises(ValueError, match=r"Received: num_workers=0"):
+        launch.run([REPORT_ENV], 0)
+    with pytest.raises(ValueError, match=r"non-empty list"):
+        launch.run(REPORT_ENV, 2)
+    with pytest.raises(ValueError, match=r"Received: script='.*missing\.py'"):
+        launch.run([str(tmp_path / "missing.py")], 2)
+    with pytest.raises(ValueError, match=r"unauthenticated"):
+        launch.run([REPORT_ENV], 2, host="192.0.2.1")
+    with pytest.raises(ValueError, match=r"Received: timeout=0"):
+        launch.run([REPORT_ENV], 2, timeout=0)
+
+
+# ---------------------------------------------------------------------------
+# Failures, signals, timeouts.
+# ---------------------------------------------------------------------------
+
+
+def test_failing_worker_stops_the_others(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, "-n", "2", MISBEHAVE, "--fail-rank", "1", "--exit-code", "3")
+    elapsed = time.monotonic() - start
+
+    assert proc.returncode == 3, proc.stderr
+    assert elapsed < STOP_BUDGET_SECONDS
+    assert "keras-comm-run: worker rank 1 failed (exit code 3); stopped the other 1 worker(s)." in (
+        proc.stderr
+    )
+    _assert_all_gone([r["pid"] for r in _results(tmp_path, 2)])
+
+
+def test_first_failure_wins_over_the_stopped_workers_exit_codes(tmp_path):
+    # Rank 0 exits 7 when the launcher's SIGTERM stops it: still rank 1's 3.
+    proc = _launch(
+        tmp_path, "-n", "3", MISBEHAVE, "--fail-rank", "1", "--exit-code", "3", "--exit-on-term", "7"
+    )
+
+    assert proc.returncode == 3, proc.stderr
+    assert "worker rank 1 failed (exit code 3); stopped the other 2 worker(s)." in proc.stderr
+    assert "rank 0 failed" not in proc.stderr
+
+
+def test_worker_killed_by_signal(tmp_path):
+    proc = _launch(tmp_path, "-n", "2", MISBEHAVE, "--fail-rank", "1", "--sigkill")
+
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "worker rank 1 failed (killed by SIGKILL)" in proc.stderr
+    _assert_all_gone([r["pid"] for r in _results(tmp_path, 2)])
+
+
+def test_worker_exit_code_is_passed_through(tmp_path):
+    proc = _launch(tmp_path, "-n", "2", MISBEHAVE, "--fail-rank", "0", "--exit-code", "42")
+
+    assert proc.returncode == 42, proc.stderr
+    assert "worker rank 0 failed (exit code 42)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "signum, extra_args",
+    [
+        (signal.SIGINT, []),
+        (signal.SIGTERM, []),
+        # Workers that ignore the signal are SIGKILLed after the grace period.
+        (signal.SIGINT, ["--ignore-signals"]),
+    ],
+    ids=["sigint", "sigterm", "sigint-ignored-by-workers"],
+)
+def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_comm.launch", "-n", "2", MISBEHAVE, *extra_args],
+        env=cluster_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_files(tmp_path, 2)
+        pids = [r["pid"] for r in _results(tmp_path, 2)]
+        start = time.monotonic()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=STOP_BUDGET_SECONDS)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+    assert proc.returncode == 128 + signum, stderr
+    assert elapsed < STOP_BUDGET_SECONDS
+    assert f"received {signal.Signals(signum).name}; stopped 2 worker(s)." in stderr
+    _assert_all_gone(pids)
+
+
+def test_timeout_stops_all_workers(tmp_path):
+    start = time.monotonic()
+    proc = _launch(tmp_path, "-n", "2", "--timeout", "1.5", MISBEHAVE)
+    elapsed = time.monotonic() - start
+
+    assert proc.returncode == launch.EXIT_TIMEOUT, proc.stderr
+    assert elapsed < 1.5 + STOP_BUDGET_SECONDS
+    assert "keras-comm-run: timed out after 1.5 s; stopped 2 worker(s)." in proc.stderr
+    _assert_all_gone([r["pid"] for r in _results(tmp_path, 2)])
+
+
+# ---------------------------------------------------------------------------
+# Bad launcher input: argparse errors (exit 2), nothing started.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "0", REPORT_ENV], "-n must be >= 1. Received: -n 0"),
+        (["-n", "-3", REPORT_ENV], "-n must be >= 1. Received: -n -3"),
+        (["-n", "two", REPORT_ENV], "argument -n/--num-workers: invalid int value: 'two'"),
+        (["-n", "2", "missing.py"], "script must be an existing file. Received: script 'missing.py'"),
+        (["-n", "2", str(SCRIPTS)], "script must be an existing file. Received: script"),
+        (["-n", "2"], "a script (or -m module) to run is required"),
+        (["-n", "2", "-m"], "-m must be followed by a module name"),
+        ([REPORT_ENV], "the following arguments are required: -n/--num-workers"),
+        (["-n", "2", "--timeout", "0", REPORT_ENV], "--timeout must be > 0. Received: --timeout 0"),
+        (["-n", "2", "--base-port", "65535", REPORT_ENV], "Received: --base-port 65535"),
+        (["-n", "2", "--host", "no such host", REPORT_ENV], "Received: host='no such host'"),
+    ],
+)
+def test_bad_arguments(tmp_path, argv, message):
+    proc = _launch(tmp_path, *argv)
+
+    assert proc.returncode == 2
+    assert "keras-comm-run: error:" in proc.stderr
+    assert message in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "0.0.0.0"])
+def test_non_loopback_host_is_refused(tmp_path, host):
+    proc = _launch(tmp_path, "-n", "2", "--host", host, REPORT_ENV)
+
+    assert proc.returncode == 2
+    assert "non-loopback" in proc.stderr
+    assert "unauthenticated and runs any graph" in proc.stderr
+    assert "--allow-non-loopback" in proc.stderr
+    assert f"Received: host='{host}'" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_loopback_names_are_accepted(tmp_path):
+    proc = _launch(tmp_path, "-n", "1", "--host", "localhost", REPORT_ENV)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(_results(tmp_path, 1)[0]["tf_config"])["cluster"]["worker"][0].startswith(
+        "localhost:"
+    )
+
+
+def test_help_describes_the_contract():
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_comm.launch", "--help"], capture_output=True, text=True
+    )
+
+    assert proc.returncode == 0
+    for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver"]:
+        assert needle in proc.stdout
+
+
+# ---------------------------------------------------------------------------
+# The harness and a real TensorFlow job.
+# ---------------------------------------------------------------------------
+
+
+def test_run_cluster_check_reports_failure_with_output(tmp_path):
+    result = run_cluster(MISBEHAVE, 2, "--fail-rank", "1", timeout=30)
+
+    assert result.returncode == 3
+    with pytest.raises(AssertionError, match=r"(?s)launcher exited 3.*rank 1 failing now"):
+        result.check()
+
+
+def test_tensorflow_all_reduce_over_loopback():
+    result = run_cluster("launch_scripts/tf_all_reduce.py", 2, timeout=120).check()
+
+    assert result.results == [{"num_replicas": 2, "sum_ones": 2.0, "sum_ids": 3.0}] * 2
