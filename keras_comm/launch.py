@@ -79,8 +79,10 @@ exit status:
            stopped (SIGTERM to each process group, SIGKILL 5 s later)
   128+s    the first worker to fail was killed by signal s
   124      --timeout expired; all workers were stopped
-  130/143  the launcher got SIGINT/SIGTERM; it was forwarded to all workers,
-           which were then stopped
+  130/143  the launcher got SIGINT/SIGTERM (129: SIGHUP); it was forwarded to
+           all workers, which were SIGKILLed if still running 5 s later. If
+           the launcher itself is SIGKILLed, the kernel kills the workers
+           (Linux).
   2        bad launcher arguments
 
 several hosts (this launcher only starts processes on this machine):
@@ -282,44 +284,74 @@ def _signal_group(proc, signum):
         return False
 
 
+def _parent_death_signal():
+    """A preexec_fn making a worker die with the launcher (Linux), or None.
+
+    The launcher forwards SIGINT/SIGTERM/SIGHUP, but nothing can forward a
+    SIGKILL of the launcher itself; the kernel's PR_SET_PDEATHSIG can. The
+    ctypes function is looked up here, before fork, so the child only makes
+    one foreign call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    launcher_pid = os.getpid()
+
+    def set_parent_death_signal():
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        # The launcher may have died between fork and prctl.
+        if os.getppid() != launcher_pid:
+            os._exit(128 + signal.SIGKILL)
+
+    return set_parent_death_signal
+
+
 class _Job:
     """N worker processes, their output threads, and how to stop them."""
 
     def __init__(self, commands, envs, prefix, out, err):
         self.procs = []
         self.threads = []
-        self._out = out
-        self._err = err
-        self._prefix = prefix
+        preexec_fn = _parent_death_signal()
         try:
-            for rank, (command, env) in enumerate(zip(commands, envs)):
-                self._start(rank, command, env)
+            # All workers are forked before any reader thread exists: a
+            # preexec_fn is only safe to run in a child forked without
+            # other threads around. The pipes buffer output meanwhile.
+            for command, env in zip(commands, envs):
+                self.procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        # Own process group: the terminal's Ctrl-C reaches
+                        # only the launcher, which forwards it, and killpg
+                        # reaches the worker's own children too.
+                        start_new_session=True,
+                        preexec_fn=preexec_fn,
+                    )
+                )
         except BaseException:
             self.stop(signal.SIGKILL, grace=0.0)
             raise
-
-    def _start(self, rank, command, env):
-        proc = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            # Own process group: the terminal's Ctrl-C reaches only the
-            # launcher, which forwards it, and killpg reaches grandchildren.
-            start_new_session=True,
-        )
-        self.procs.append(proc)
-        tag = f"[rank {rank}] " if self._prefix else ""
-        for pipe, printer in ((proc.stdout, self._out), (proc.stderr, self._err)):
-            thread = threading.Thread(
-                target=_pump,
-                args=(pipe, printer, tag),
-                name=f"keras-comm-run rank {rank}",
-                daemon=True,
-            )
-            thread.start()
-            self.threads.append(thread)
+        for rank, proc in enumerate(self.procs):
+            tag = f"[rank {rank}] " if prefix else ""
+            for pipe, printer in ((proc.stdout, out), (proc.stderr, err)):
+                thread = threading.Thread(
+                    target=_pump,
+                    args=(pipe, printer, tag),
+                    name=f"keras-comm-run rank {rank}",
+                    daemon=True,
+                )
+                thread.start()
+                self.threads.append(thread)
 
     def running(self):
         return [p for p in self.procs if p.poll() is None]
@@ -357,9 +389,13 @@ class _Job:
 
 
 class _SignalCatcher:
-    """Records SIGINT/SIGTERM sent to the launcher (main thread only)."""
+    """Records SIGINT/SIGTERM/SIGHUP sent to the launcher (main thread only).
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    Workers run in their own sessions, so a closed terminal's SIGHUP would
+    not reach them: it is forwarded like the others.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.received = []
@@ -442,7 +478,7 @@ def run(
     Returns:
         0 if every worker exited 0; else the first failed worker's exit code
         (128 + signal number for a signal death), 124 on timeout, or
-        130 / 143 if the launcher received SIGINT / SIGTERM.
+        130 / 143 / 129 if the launcher received SIGINT / SIGTERM / SIGHUP.
 
     Raises:
         LaunchError (a ValueError): invalid arguments, a refused host or a
@@ -479,7 +515,12 @@ def run(
 
     with _SignalCatcher() as catcher:
         job = _Job([python_command] * num_workers, envs, prefix, out, err)
-        return _supervise(job, catcher, timeout, err)
+        try:
+            return _supervise(job, catcher, timeout, err)
+        finally:
+            # After an unexpected error, nothing may survive either.
+            if job.running():
+                job.stop(signal.SIGKILL, grace=0.0)
 
 
 def _supervise(job, catcher, timeout, err):

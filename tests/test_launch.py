@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -201,10 +202,11 @@ def test_worker_exit_code_is_passed_through(tmp_path):
     [
         (signal.SIGINT, []),
         (signal.SIGTERM, []),
+        (signal.SIGHUP, []),
         # Workers that ignore the signal are SIGKILLed after the grace period.
         (signal.SIGINT, ["--ignore-signals"]),
     ],
-    ids=["sigint", "sigterm", "sigint-ignored-by-workers"],
+    ids=["sigint", "sigterm", "sighup", "sigint-ignored-by-workers"],
 )
 def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
     proc = subprocess.Popen(
@@ -231,6 +233,24 @@ def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
     assert elapsed < STOP_BUDGET_SECONDS
     assert f"received {signal.Signals(signum).name}; stopped 2 worker(s)." in stderr
     _assert_all_gone(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_sigkill_of_the_launcher_kills_the_workers(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_comm.launch", "-n", "2", MISBEHAVE, "--ignore-signals"],
+        env=cluster_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_files(tmp_path, 2)
+    finally:
+        proc.kill()
+        proc.wait()
+
+    _assert_all_gone([r["pid"] for r in _results(tmp_path, 2)])
 
 
 def test_timeout_stops_all_workers(tmp_path):
@@ -272,6 +292,25 @@ def test_bad_arguments(tmp_path, argv, message):
     assert "keras-comm-run: error:" in proc.stderr
     assert message in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_busy_base_port_is_an_argument_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _launch(tmp_path, "-n", "1", "--base-port", str(port), REPORT_ENV)
+
+    assert proc.returncode == 2
+    assert f"cannot use port {port}" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_pick_ports_are_distinct():
+    ports = launch.pick_ports(16)
+
+    assert len(set(ports)) == 16
+    assert all(0 < p < 65536 for p in ports)
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "0.0.0.0"])
