@@ -1,0 +1,22 @@
+"""keras_comm: explicit distributed-training communication for Keras 3 on TensorFlow.
+
+Collectives are Keras layers (`keras_comm.layers`) and differentiable
+functions (`keras_comm.ops`) with exact backward rules, running on
+`tf.distribute.MultiWorkerMirroredStrategy` collectives.
+"""
+
+from keras_comm.config import get_timeout
+from keras_comm.config import set_timeout
+from keras_comm.topology import Group
+from keras_comm.topology import rank
+from keras_comm.topology import world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Group",
+    "get_timeout",
+    "rank",
+    "set_timeout",
+    "world_size",
+]

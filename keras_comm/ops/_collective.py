@@ -1,0 +1,314 @@
+"""The private primitive tier: one function per TensorFlow collective.
+
+Everything here runs on one replica, takes a resolved `Group` the replica is a
+member of, and returns the raw collective's result. No gradients, no Keras:
+`keras_comm.ops` wraps these with `tf.custom_gradient`.
+
+Two rules keep in-process and multi-process runs alike from hanging:
+
+* every op is placed on its replica's device, and
+* every op on a device is ordered behind the previous one through that
+  device's *ordering token* (a resource variable), as tf.distribute's own
+  ``CollectiveReplicaLauncher`` does. Broadcast send/recv take no token, so
+  they are chained to it by a read before and a write after.
+
+Eager execution with several replicas in one process needs one more step:
+tf.distribute runs those replicas' Python one thread at a time, so a
+collective issued directly would wait forever for its local peers. `run`
+hands every local replica's collective to one ``merge_call`` that launches
+them concurrently. This is why every replica must call `run` at the same
+points of the program (SPMD), members of the group or not.
+"""
+
+import concurrent.futures
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import gen_collective_ops
+from tensorflow.python.ops import resource_variable_ops
+
+from keras_comm import config
+from keras_comm import topology
+
+_MERGE_OPS = {"sum": "Add", "prod": "Mul", "max": "Max", "min": "Min"}
+
+_tokens = {}
+_tokens_lock = threading.Lock()
+
+
+def _ordering_token(device):
+    with _tokens_lock:
+        token = _tokens.get(device)
+        if token is None:
+            with tf.init_scope(), tf.device(device):
+                token = resource_variable_ops.ResourceVariable(
+                    0.0, trainable=False, name="keras_comm_ordering_token"
+                )
+            _tokens[device] = token
+        return token
+
+
+def _local_replica_count():
+    extended = tf.distribute.get_strategy().extended
+    return len(getattr(extended, "worker_devices", ()) or ()) or 1
+
+
+def run(thunk):
+    """Runs this replica's collective `thunk` (a no-argument callable).
+
+    Every replica must call `run` at the same program points, each with its
+    own thunk (non-members of a group pass one that returns their
+    pass-through value). In graph mode, or with one replica per process, this
+    is just ``thunk()``.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if (
+        not tf.executing_eagerly()
+        or ctx is None
+        or _local_replica_count() == 1
+        or tf.distribute.in_cross_replica_context()
+    ):
+        return thunk()
+    return ctx.merge_call(_run_concurrently, args=(thunk,))
+
+
+def _run_concurrently(strategy, thunks):
+    thunks = strategy.experimental_local_results(thunks)
+    with concurrent.futures.ThreadPoolExecutor(len(thunks)) as pool:
+        results = list(pool.map(lambda f: f(), thunks))
+    return tf_values.PerReplica(results)
+
+
+def _hint():
+    """The strategy's communication implementation ('auto', 'ring', 'nccl')."""
+    extended = tf.distribute.get_strategy().extended
+    options = getattr(extended, "_communication_options", None)
+    implementation = getattr(options, "implementation", None)
+    return implementation.value.lower() if implementation is not None else "auto"
+
+
+def _timeout(timeout):
+    return config.get_timeout() if timeout is None else timeout
+
+
+def _op_name(name, kind):
+    # TF op names may not contain some characters Keras layer names allow.
+    base = "".join(c if c.isalnum() or c in "_.-" else "_" for c in (name or ""))
+    return f"{base}_{kind}" if base else kind
+
+
+class Call:
+    """Everything a primitive needs about one collective call.
+
+    Attributes:
+        replica: the calling `topology.Replica`.
+        group: the resolved `topology.Group` (the caller is a member).
+        timeout: seconds before DeadlineExceeded, or None for the default.
+        name: a name for the op (the layer's name), shown in traces.
+    """
+
+    __slots__ = ("replica", "group", "timeout", "name")
+
+    def __init__(self, replica, group, timeout=None, name=None):
+        self.replica = replica
+        self.group = group
+        self.timeout = timeout
+        self.name = name
+
+    @property
+    def device(self):
+        return self.replica.device
+
+    @property
+    def size(self):
+        return self.group.size
+
+    @property
+    def index(self):
+        """The caller's position in the group."""
+        return self.group.index(self.replica.rank)
+
+    def _keys(self, key=None):
+        key = self.group.key if key is None else key
+        return key, topology.instance_keys.next(key, self.device)
+
+
+def all_reduce(x, call, op="sum"):
+    """Elementwise reduction of `x` over the group; every member gets it."""
+    key, instance = call._keys()
+    token = _ordering_token(call.device)
+    with tf.device(call.device):
+        return collective_ops.all_reduce_v2(
+            x,
+            call.size,
+            key,
+            instance,
+            merge_op=_MERGE_OPS[op],
+            final_op="Id",
+            communication_hint=_hint(),
+            timeout=_timeout(call.timeout),
+            ordering_token=token.handle,
+            name=_op_name(call.name, "all_reduce"),
+        )
+
+
+def all_gather(x, call):
+    """Concatenates every member's `x` (same shape everywhere) on axis 0."""
+    key, instance = call._keys()
+    token = _ordering_token(call.device)
+    with tf.device(call.device):
+        return collective_ops.all_gather_v2(
+            x,
+            call.size,
+            key,
+            instance,
+            communication_hint=_hint(),
+            timeout=_timeout(call.timeout),
+            ordering_token=token.handle,
+            name=_op_name(call.name, "all_gather"),
+        )
+
+
+def all_to_all(x, call):
+    """Sends ``x[i]`` to group member i; returns what each member sent here.
+
+    `x` must have leading dimension equal to the group size.
+    """
+    key, instance = call._keys()
+    token = _ordering_token(call.device)
+    with tf.device(call.device):
+        return collective_ops.all_to_all_v2(
+            x,
+            call.size,
+            key,
+            instance,
+            communication_hint=_hint(),
+            timeout=_timeout(call.timeout),
+            ordering_token=token.handle,
+            name=_op_name(call.name, "all_to_all"),
+        )
+
+
+def has_native_reduce_scatter(device):
+    """TF has a reduce-scatter kernel only for NCCL (GPU) collectives."""
+    return "GPU" in device.upper() and _hint() in ("auto", "nccl")
+
+
+def reduce_scatter(x, call):
+    """SUM over the group, keeping this member's 1/size slice of axis 0.
+
+    On GPUs this is TF's native (NCCL) reduce-scatter. TF has no CPU kernel
+    for it, so on CPUs it is an all-to-all followed by a local sum: each
+    member sends and receives (n-1)/n of `x`, the same bytes as a ring
+    reduce-scatter and half an all-reduce's.
+    """
+    n = call.size
+    if has_native_reduce_scatter(call.device):
+        key, instance = call._keys()
+        token = _ordering_token(call.device)
+        with tf.device(call.device):
+            return gen_collective_ops.collective_reduce_scatter_v2(
+                x,
+                group_size=n,
+                group_key=key,
+                instance_key=instance,
+                ordering_token=[token.handle],
+                merge_op="Add",
+                final_op="Id",
+                communication_hint=_hint(),
+                timeout_seconds=_timeout(call.timeout),
+                name=_op_name(call.name, "reduce_scatter"),
+            )
+    shape = tf.shape(x)
+    chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
+    received = all_to_all(chunks, call)
+    with tf.device(call.device):
+        return tf.reduce_sum(received, axis=0)
+
+
+def _chained(call, fn):
+    """Runs a token-less collective in order with the device's token chain."""
+    token = _ordering_token(call.device)
+    with tf.device(call.device):
+        with tf.control_dependencies([token.read_value()]):
+            out = fn()
+        with tf.control_dependencies([out]):
+            token.assign_add(0.0, read_value=False)
+    return out
+
+
+def broadcast(x, call, root_index):
+    """Returns group member `root_index`'s `x` on every member.
+
+    `x` gives the shape and dtype on receivers (its values are not used).
+    """
+    if call.size == 1:
+        return tf.identity(x)
+    key, instance = call._keys()
+    kwargs = dict(
+        group_size=call.size,
+        group_key=key,
+        instance_key=instance,
+        communication_hint=_hint(),
+        timeout=_timeout(call.timeout),
+    )
+    if call.index == root_index:
+
+        def fn():
+            # The send's output must be used, or tf.function prunes the op.
+            return collective_ops.broadcast_send_v2(x, **kwargs)
+
+    else:
+
+        def fn():
+            return collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **kwargs)
+
+    with tf.name_scope(_op_name(call.name, "broadcast")):
+        return _chained(call, fn)
+
+
+def _pair_key(a, b, tag):
+    return topology.group_key(("p2p", min(a, b), max(a, b), int(tag)))
+
+
+def send(x, call, dest, tag=0):
+    """Sends `x` to global rank `dest` (a two-member broadcast).
+
+    Returns the send's output (equal to `x`); callers must make it reach the
+    function's outputs or a control dependency, or tf.function prunes it.
+    """
+    key, instance = call._keys(_pair_key(call.replica.rank, dest, tag))
+
+    def fn():
+        return collective_ops.broadcast_send_v2(
+            x,
+            group_size=2,
+            group_key=key,
+            instance_key=instance,
+            communication_hint=_hint(),
+            timeout=_timeout(call.timeout),
+        )
+
+    with tf.name_scope(_op_name(call.name, "send")):
+        return _chained(call, fn)
+
+
+def recv(shape, dtype, call, src, tag=0):
+    """Receives a tensor of `shape`/`dtype` sent by global rank `src`."""
+    key, instance = call._keys(_pair_key(call.replica.rank, src, tag))
+
+    def fn():
+        return collective_ops.broadcast_recv_v2(
+            shape,
+            dtype,
+            group_size=2,
+            group_key=key,
+            instance_key=instance,
+            communication_hint=_hint(),
+            timeout=_timeout(call.timeout),
+        )
+
+    with tf.name_scope(_op_name(call.name, "recv")):
+        return _chained(call, fn)

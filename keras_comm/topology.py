@@ -1,0 +1,257 @@
+"""Who is where: world size, this replica's rank, groups, and collective keys.
+
+A *replica* is one copy of the model running on one device. Under
+`tf.distribute.MultiWorkerMirroredStrategy` the global rank of a replica is
+``task_index * replicas_per_worker + local_index``, TensorFlow's
+``replica_id_in_sync_group``. A *group* is a set of global ranks; inside a group
+a replica's position is its index in the ascending list of ranks.
+
+Collective keys are what TensorFlow uses to match the ops of one collective on
+different devices. They must agree on every worker without any communication:
+
+* group keys are derived from the group's ranks alone (a hash into a range that
+  tf.distribute's own keys, which count up from 1, never reach);
+* instance keys are drawn per (group, device) **when the step function is
+  called**, not when it is traced (``capture_call_time_value``), exactly as
+  `tf.distribute`'s own ``CollectiveReplicaLauncher`` does. All workers call
+  their step functions in the same order, so the keys agree even when one
+  worker retraces a function and another does not.
+"""
+
+import dataclasses
+import threading
+import zlib
+
+import tensorflow as tf
+from tensorflow.python.distribute import device_util
+from tensorflow.python.framework import ops as tf_ops
+
+# tf.distribute allocates group keys from 1 upwards, one per device set; ours
+# live far above so the two can never collide.
+_GROUP_KEY_BASE = 1 << 24
+_GROUP_KEY_SPAN = (1 << 30) - _GROUP_KEY_BASE
+
+
+class Group:
+    """An immutable set of global replica ranks that communicate together.
+
+    Args:
+        ranks: a non-empty sequence of distinct non-negative ints. The order
+            given does not matter: a replica's rank *within* the group is its
+            index in the sorted ranks.
+
+    Raises:
+        TypeError: if `ranks` is not a sequence of ints.
+        ValueError: if `ranks` is empty, has duplicates or negative ranks.
+
+    Example:
+
+    >>> g = keras_comm.Group([2, 0])
+    >>> g.ranks, g.size, g.index(2)
+    ((0, 2), 2, 1)
+    """
+
+    __slots__ = ("_ranks",)
+
+    def __init__(self, ranks):
+        if isinstance(ranks, Group):
+            ranks = ranks.ranks
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(
+                "`group` must be a list of global ranks, a keras_comm.Group or "
+                f"None. Received: group={ranks!r}"
+            )
+        ranks = list(ranks)
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise TypeError(
+                    "`group` must contain int ranks. "
+                    f"Received: group={ranks!r} (element {r!r})"
+                )
+        if not ranks:
+            raise ValueError("`group` must not be empty. Received: group=[]")
+        if any(r < 0 for r in ranks):
+            raise ValueError(
+                f"`group` ranks must be >= 0. Received: group={ranks!r}"
+            )
+        if len(set(ranks)) != len(ranks):
+            dups = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise ValueError(
+                f"`group` must not repeat a rank (repeated: {dups}). "
+                f"Received: group={ranks!r}"
+            )
+        self._ranks = tuple(sorted(int(r) for r in ranks))
+
+    @property
+    def ranks(self):
+        """The global ranks, ascending."""
+        return self._ranks
+
+    @property
+    def size(self):
+        return len(self._ranks)
+
+    def __contains__(self, rank):
+        return rank in self._ranks
+
+    def index(self, rank):
+        """Returns the position of global `rank` within the group."""
+        try:
+            return self._ranks.index(rank)
+        except ValueError:
+            raise ValueError(
+                f"Rank {rank} is not in group {list(self._ranks)}."
+            ) from None
+
+    def check_world(self, world_size, name="group"):
+        """Raises ValueError if a rank is outside ``range(world_size)``."""
+        bad = [r for r in self._ranks if r >= world_size]
+        if bad:
+            raise ValueError(
+                f"`{name}` has ranks {bad} outside the world of {world_size} "
+                f"replica(s) (valid ranks: 0..{world_size - 1}). "
+                f"Received: {name}={list(self._ranks)}"
+            )
+
+    @property
+    def key(self):
+        """The TensorFlow collective group key; the same on every worker."""
+        return group_key(self._ranks)
+
+    def __eq__(self, other):
+        return isinstance(other, Group) and other._ranks == self._ranks
+
+    def __hash__(self):
+        return hash(self._ranks)
+
+    def __repr__(self):
+        return f"Group({list(self._ranks)})"
+
+    def get_config(self):
+        return list(self._ranks)
+
+
+def as_group(group, name="group"):
+    """Converts None, a rank list or a Group to a Group (or None = world)."""
+    if group is None or isinstance(group, Group):
+        return group
+    try:
+        return Group(group)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("`group`", f"`{name}`")) from None
+
+
+_group_key_owner = {}
+_group_key_lock = threading.Lock()
+
+
+def group_key(ranks):
+    """Deterministic TF collective group key for a tuple of sorted ranks."""
+    ranks = tuple(ranks)
+    digest = zlib.crc32(",".join(map(str, ranks)).encode())
+    key = _GROUP_KEY_BASE + digest % _GROUP_KEY_SPAN
+    with _group_key_lock:
+        owner = _group_key_owner.setdefault(key, ranks)
+    if owner != ranks:
+        # Astronomically unlikely; fail loudly rather than mix two groups.
+        raise ValueError(
+            f"Groups {list(owner)} and {list(ranks)} hash to the same collective "
+            "group key; use a different group."
+        )
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """The replica the current code runs as.
+
+    Attributes:
+        rank: global rank, ``0 .. world_size - 1``.
+        world_size: number of replicas in sync across all workers.
+        device: the device string this replica's ops run on.
+    """
+
+    rank: int
+    world_size: int
+    device: str
+
+
+def _strategy_and_context():
+    strategy = tf.distribute.get_strategy()
+    ctx = tf.distribute.get_replica_context()
+    return strategy, ctx
+
+
+def world_size():
+    """Number of replicas kept in sync (1 outside any strategy)."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def current_replica(what="keras_comm collectives"):
+    """Returns the `Replica` the caller runs as.
+
+    Outside any strategy, or under a strategy with one replica, this is rank 0
+    of a world of 1 (so layers act as their one-rank case).
+
+    Raises:
+        RuntimeError: in cross-replica context of a strategy with several
+            replicas, where "this replica" has no meaning.
+    """
+    strategy, ctx = _strategy_and_context()
+    n = strategy.num_replicas_in_sync
+    if n == 1:
+        return Replica(0, 1, device_util.current() or "")
+    if ctx is None:
+        raise RuntimeError(
+            f"{what} run once per replica: call them inside `strategy.run`, "
+            "`model.fit`, `model.evaluate` or `model.predict`, not in "
+            f"cross-replica context (the strategy has {n} replicas)."
+        )
+    rid = ctx._replica_id_in_sync_group  # pylint: disable=protected-access
+    if not isinstance(rid, int):
+        rid = tf.get_static_value(rid)
+        if rid is None:
+            raise RuntimeError(
+                f"{what} need a static replica id; this strategy "
+                f"({type(strategy).__name__}) does not provide one."
+            )
+    return Replica(int(rid), n, device_util.current())
+
+
+def rank():
+    """This replica's global rank (0 outside any strategy)."""
+    return current_replica("keras_comm.rank()").rank
+
+
+class _InstanceKeys:
+    """Per-(group key, device) counters, advanced when functions are *called*."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = {}
+
+    def _take(self, group_key_, device):
+        with self._lock:
+            key = self._next.get((group_key_, device), 1)
+            self._next[(group_key_, device)] = key + 1
+            return key
+
+    def next(self, group_key_, device):
+        """Returns an int32 instance-key tensor valid for the current call."""
+        graph = tf_ops.get_default_graph()
+        while getattr(graph, "is_control_flow_graph", False):
+            graph = graph.outer_graph
+        if not tf.executing_eagerly() and graph.building_function:
+            with graph.as_default():
+                return graph.capture_call_time_value(
+                    lambda: self._eager_key(group_key_, device),
+                    tf.TensorSpec([], tf.int32),
+                )
+        return self._eager_key(group_key_, device)
+
+    def _eager_key(self, group_key_, device):
+        with tf.device("CPU:0"):
+            return tf.constant(self._take(group_key_, device), tf.int32)
+
+
+instance_keys = _InstanceKeys()
