@@ -334,10 +334,13 @@ def test_loopback_names_are_accepted(tmp_path):
     )
 
 
-def test_help_describes_the_contract():
-    proc = subprocess.run(
-        [sys.executable, "-m", "keras_comm.launch", "--help"], capture_output=True, text=True
-    )
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "keras_comm.launch"], [str(Path(launch.__file__))]],
+    ids=["module", "file"],  # run_cluster runs the file: it must stay stdlib-only.
+)
+def test_help_describes_the_contract(entry):
+    proc = subprocess.run([sys.executable, *entry, "--help"], capture_output=True, text=True)
 
     assert proc.returncode == 0
     for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver"]:
