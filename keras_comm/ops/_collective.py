@@ -102,9 +102,11 @@ def _op_name(name, kind):
 class Call:
     """Everything a primitive needs about one collective call.
 
+    Build it with `resolve` in the ops tier.
+
     Attributes:
         replica: the calling `topology.Replica`.
-        group: the resolved `topology.Group` (the caller is a member).
+        group: the resolved `topology.Group` (the whole world for None).
         timeout: seconds before DeadlineExceeded, or None for the default.
         name: a name for the op (the layer's name), shown in traces.
     """
@@ -126,13 +128,49 @@ class Call:
         return self.group.size
 
     @property
+    def member(self):
+        """Whether the calling replica belongs to the group."""
+        return self.replica.rank in self.group
+
+    @property
     def index(self):
         """The caller's position in the group."""
         return self.group.index(self.replica.rank)
 
+    @property
+    def trivial(self):
+        """True when no data needs to move (a group of one)."""
+        return self.group.size == 1
+
     def _keys(self, key=None):
         key = self.group.key if key is None else key
         return key, topology.instance_keys.next(key, self.device)
+
+
+def resolve(group=None, timeout=None, name=None):
+    """Resolves the calling replica and `group` into a `Call`.
+
+    Args:
+        group: None (the whole world), a rank list or a `topology.Group`.
+        timeout: seconds, or None for `keras_comm.get_timeout()` at trace time.
+        name: the layer or op name, used in op names and error messages.
+
+    Raises:
+        ValueError: if the group names ranks outside the world.
+        RuntimeError: in cross-replica context of a multi-replica strategy.
+    """
+    what = f"keras_comm op {name!r}" if name else "keras_comm collectives"
+    replica = topology.current_replica(what)
+    group = topology.as_group(group)
+    if group is None:
+        group = topology.Group(range(replica.world_size))
+    else:
+        try:
+            group.check_world(replica.world_size)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    return Call(replica, group, timeout, name)
+
 
 
 def all_reduce(x, call, op="sum"):
