@@ -127,13 +127,16 @@ def cluster_env(out_dir, env=None):
     return child_env
 
 
+# `python keras_comm/launch.py`, the launcher without the keras_comm package.
+# -P (Python >= 3.11) keeps keras_comm/ off the launcher's sys.path, so no
+# module there can shadow a standard-library one.
+LAUNCHER = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), str(LAUNCH_PY)]
+
+
 def launcher_command(script, num_workers, *args, timeout=300):
     """The argv `run_cluster` runs: `python keras_comm/launch.py ...`."""
-    # -P (Python >= 3.11): keep keras_comm/ off the launcher's sys.path, so no
-    # module there can shadow a standard-library one.
-    isolate = ["-P"] if sys.version_info >= (3, 11) else []
     return [
-        sys.executable, *isolate, str(LAUNCH_PY),
+        *LAUNCHER,
         "-n", str(num_workers),
         "--timeout", str(timeout),
         _resolve_script(script),

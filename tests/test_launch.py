@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import cluster_env, run_cluster
+from _cluster import LAUNCHER, cluster_env, run_cluster
 from keras_comm import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -30,9 +30,13 @@ STOP_BUDGET_SECONDS = 10
 
 
 def _launch(out_dir, *argv, timeout=30):
-    """Runs `python -m keras_comm.launch *argv`; stdout and stderr separate."""
+    """Runs the launcher with `argv`; stdout and stderr kept separate.
+
+    Like run_cluster, this runs keras_comm/launch.py as a file, which skips
+    importing the keras_comm package (and TensorFlow) in the launcher.
+    """
     return subprocess.run(
-        [sys.executable, "-m", "keras_comm.launch", *argv],
+        [*LAUNCHER, *argv],
         env=cluster_env(out_dir),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -105,6 +109,30 @@ def test_success_prefixes_lines_and_sets_tf_config_per_rank(tmp_path):
     for address in workers:
         host, port = address.rsplit(":", 1)
         assert host == "127.0.0.1" and 0 < int(port) < 65536
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        [sys.executable, "-m", "keras_comm.launch"],
+        [str(Path(sys.executable).with_name("keras-comm-run"))],
+    ],
+    ids=["python-m", "console-script"],
+)
+def test_documented_entry_points(tmp_path, entry):
+    if not Path(entry[0]).exists():
+        pytest.skip(f"{entry[0]} is not installed")
+    proc = subprocess.run(
+        [*entry, "-n", "2", REPORT_ENV],
+        env=cluster_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 1] stdout line from rank 1" in proc.stdout
 
 
 def test_module_form(tmp_path):
@@ -210,7 +238,7 @@ def test_worker_exit_code_is_passed_through(tmp_path):
 )
 def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "keras_comm.launch", "-n", "2", MISBEHAVE, *extra_args],
+        [*LAUNCHER, "-n", "2", MISBEHAVE, *extra_args],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -238,7 +266,7 @@ def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_sigkill_of_the_launcher_kills_the_workers(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "keras_comm.launch", "-n", "2", MISBEHAVE, "--ignore-signals"],
+        [*LAUNCHER, "-n", "2", MISBEHAVE, "--ignore-signals"],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -334,13 +362,9 @@ def test_loopback_names_are_accepted(tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    "entry",
-    [["-m", "keras_comm.launch"], [str(Path(launch.__file__))]],
-    ids=["module", "file"],  # run_cluster runs the file: it must stay stdlib-only.
-)
-def test_help_describes_the_contract(entry):
-    proc = subprocess.run([sys.executable, *entry, "--help"], capture_output=True, text=True)
+def test_help_describes_the_contract():
+    # run_cluster runs launch.py as a file: it must stay stdlib-only.
+    proc = subprocess.run([*LAUNCHER, "--help"], capture_output=True, text=True)
 
     assert proc.returncode == 0
     for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver"]:
