@@ -49,6 +49,7 @@ _POLL_SECONDS = 0.05
 # How long to wait for output still buffered in the pipes after a worker has
 # exited (a stray grandchild may hold a pipe open forever).
 _DRAIN_SECONDS = 3.0
+_MAX_LINE_BYTES = 1 << 16
 
 _EPILOG = """\
 environment of each worker:
@@ -259,7 +260,9 @@ class _Printer:
 def _pump(pipe, printer, prefix):
     """Copies `pipe` to `printer` line by line until EOF (partial lines too)."""
     try:
-        for raw in iter(pipe.readline, b""):
+        # Bounded reads: a huge line without a newline is printed in pieces
+        # instead of growing the launcher's memory without limit.
+        for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
             printer.write_line(prefix + raw.decode("utf-8", errors="replace"))
     except (OSError, ValueError):
         pass
@@ -547,7 +550,9 @@ def _supervise(job, catcher, timeout, err):
             rank, code = failed
             exit_code, text = _describe_status(code)
             exit_code = exit_code or 1
-            stopped = job.stop(signal.SIGTERM)
+            # Ctrl-C while stopping skips the grace period; the exit code
+            # stays the failed worker's.
+            stopped = job.stop(signal.SIGTERM, should_escalate=lambda: bool(catcher.received))
             message = (
                 f"{PROG}: worker rank {rank} failed ({text}); "
                 f"stopped the other {stopped} worker(s)."
@@ -557,7 +562,7 @@ def _supervise(job, catcher, timeout, err):
             job.stop(signal.SIGTERM, grace=1.0)  # Leftover grandchildren only.
             break
         if timeout is not None and time.monotonic() - start > timeout:
-            stopped = job.stop(signal.SIGTERM)
+            stopped = job.stop(signal.SIGTERM, should_escalate=lambda: bool(catcher.received))
             exit_code = EXIT_TIMEOUT
             message = (
                 f"{PROG}: timed out after {timeout:g} s; stopped {stopped} worker(s)."

@@ -175,6 +175,9 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None)
     if keep:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        # A result left by an earlier run must not pass for this run's.
+        for stale in out_dir.glob("rank*.json"):
+            stale.unlink()
     else:
         out_dir = Path(tempfile.mkdtemp(prefix="keras_comm_test_"))
     command = launcher_command(script, num_workers, *args, timeout=timeout)
