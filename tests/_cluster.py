@@ -155,6 +155,18 @@ def _read_results(out_dir, num_workers):
     return results
 
 
+def _stop_launcher(proc):
+    """SIGTERM the launcher (it stops its workers), then SIGKILL; returns output."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    return output or ""
+
+
 def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None):
     """Runs `script` on `num_workers` local worker processes.
 
@@ -194,14 +206,12 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None)
         try:
             output, _ = proc.communicate(timeout=timeout + _HARNESS_SLACK_SECONDS)
         except subprocess.TimeoutExpired:
-            # The launcher forwards SIGTERM and stops its workers.
-            proc.send_signal(signal.SIGTERM)
-            try:
-                output, _ = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                output, _ = proc.communicate()
+            output = _stop_launcher(proc)
             output += "\n[_cluster: launcher did not finish; stopped by the harness]\n"
+        except BaseException:
+            # E.g. Ctrl-C in pytest: never leave the job running behind us.
+            _stop_launcher(proc)
+            raise
         results = _read_results(out_dir, num_workers)
     finally:
         if not keep:

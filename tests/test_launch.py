@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import LAUNCHER, cluster_env, run_cluster
+from _cluster import LAUNCHER, cluster_env, run_cluster, write_result
 from keras_comm import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -382,6 +382,25 @@ def test_run_cluster_check_reports_failure_with_output(tmp_path):
     assert result.returncode == 3
     with pytest.raises(AssertionError, match=r"(?s)launcher exited 3.*rank 1 failing now"):
         result.check()
+
+
+def test_run_cluster_timeout_fails_check():
+    result = run_cluster(MISBEHAVE, 2, timeout=1.5)
+
+    assert result.returncode == launch.EXIT_TIMEOUT
+    with pytest.raises(AssertionError, match=r"(?s)launcher exited 124.*timed out after 1.5 s"):
+        result.check()
+
+
+def test_write_result_converts_arrays_and_names_the_rank(tmp_path, monkeypatch):
+    np = pytest.importorskip("numpy")
+    monkeypatch.setenv("KERAS_COMM_TEST_OUT", str(tmp_path))
+    monkeypatch.setenv("KERAS_COMM_RANK", "3")
+
+    write_result({"x": np.float32(1.5), "y": np.arange(3)})
+
+    assert json.loads((tmp_path / "rank3.json").read_text()) == {"x": 1.5, "y": [0, 1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["rank3.json"]
 
 
 def test_tensorflow_all_reduce_over_loopback():
