@@ -293,9 +293,11 @@ def _parent_death_signal():
     The launcher forwards SIGINT/SIGTERM/SIGHUP, but nothing can forward a
     SIGKILL of the launcher itself; the kernel's PR_SET_PDEATHSIG can. The
     ctypes function is looked up here, before fork, so the child only makes
-    one foreign call.
+    one foreign call. A preexec_fn can deadlock a child forked while other
+    threads hold locks, so it is used only when the caller has no other
+    threads (always true for the command line).
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return None
     try:
         import ctypes
@@ -323,9 +325,8 @@ class _Job:
         self.threads = []
         preexec_fn = _parent_death_signal()
         try:
-            # All workers are forked before any reader thread exists: a
-            # preexec_fn is only safe to run in a child forked without
-            # other threads around. The pipes buffer output meanwhile.
+            # All workers are forked before any reader thread exists, for
+            # the preexec_fn's sake. The pipes buffer output meanwhile.
             for command, env in zip(commands, envs):
                 self.procs.append(
                     subprocess.Popen(
