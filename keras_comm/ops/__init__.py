@@ -1,9 +1,31 @@
 """Differentiable collectives (no Keras): forward plus an exact backward."""
 
 from keras_comm.ops.all_reduce import all_reduce
+from keras_comm.ops.local_norm import local_norms
+from keras_comm.ops.mirror import micro_step_all_gather
+from keras_comm.ops.mirror import mini_step_all_gather
+from keras_comm.ops.mirror import mirror_micro_step_operator
+from keras_comm.ops.mirror import mirror_mini_step_operator
+from keras_comm.ops.mirror import mirror_operator
 from keras_comm.ops.reduce_op import ReduceOp
+from keras_comm.ops.virtual import get_tensor_slice
+from keras_comm.ops.virtual import virtual_accu_grad
+from keras_comm.ops.virtual import virtual_add
+from keras_comm.ops.virtual import virtual_assign_add
+from keras_comm.ops.virtual import virtual_div
 
 __all__ = [
     "ReduceOp",
     "all_reduce",
+    "get_tensor_slice",
+    "local_norms",
+    "micro_step_all_gather",
+    "mini_step_all_gather",
+    "mirror_micro_step_operator",
+    "mirror_mini_step_operator",
+    "mirror_operator",
+    "virtual_accu_grad",
+    "virtual_add",
+    "virtual_assign_add",
+    "virtual_div",
 ]

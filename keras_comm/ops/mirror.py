@@ -1,0 +1,531 @@
+"""Mirror operators of data parallelism, with and without gradient accumulation.
+
+A *mirror* sits between a parameter that every replica holds a copy of and
+its use: forward it is the identity, backward it all-reduces the parameter's
+gradient so that every copy receives the gradient of the global objective.
+The accumulation variants (``*_mini_step_*``, ``*_micro_step_*``) add the
+gradient into a per-replica accumulator variable first and communicate only
+when the accumulated gradient is released.
+
+Ported from MindSpore's ``_MirrorOperator``, ``_MirrorMiniStepOperator``,
+``_MirrorMicroStepOperator``, ``_MiniStepAllGather`` and ``_MicroStepAllGather``
+backward rules. Where MindSpore's rule relies on its training cell reading an
+accumulation buffer instead of the returned gradient, these functions return
+the gradient a Keras optimizer must see; each docstring says how.
+
+Gradient convention: the objective is the SUM of every replica's loss. For a
+mirrored parameter ``theta`` used on every replica, ``dL/dtheta = sum_r dy_r``:
+``mean_flag=False`` is that exact adjoint; ``mean_flag=True`` (the reference's
+default) divides it by the group size, the gradient of the MEAN of the
+replicas' losses.
+
+Accumulators are variables the caller owns (the Keras layers create them):
+``synchronization=ON_READ, aggregation=NONE`` variables created under the
+strategy's scope, so each replica keeps its own value. Initialise them to
+zeros. Their dtype may be wider than the gradient's (e.g. float32 under a
+mixed_float16 policy); gradients are cast in and out.
+"""
+
+import tensorflow as tf
+
+from keras_comm.ops import _collective
+from keras_comm.ops.all_reduce import all_gather_indexed_slices
+
+# all_to_all_v2 / all_gather_v2 reject some half types on CPU; float32 holds
+# every float16 and bfloat16 value exactly, so the cast is lossless.
+_WIDEN = (tf.float16, tf.bfloat16)
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def _what(fn_name, name):
+    return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
+
+
+def _check_float(x, what):
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{what} carries gradients and needs a floating dtype "
+            f"({', '.join(d.name for d in _FLOAT_DTYPES)}). Received: x.dtype={x.dtype.name}"
+        )
+
+
+def _check_mean_flag(mean_flag):
+    if not isinstance(mean_flag, bool):
+        raise TypeError(f"`mean_flag` must be a bool. Received: mean_flag={mean_flag!r}")
+
+
+def _check_steps(accumulation_steps):
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int)
+        or accumulation_steps < 1
+    ):
+        raise ValueError(
+            "`accumulation_steps` must be an int >= 1. "
+            f"Received: accumulation_steps={accumulation_steps!r}"
+        )
+
+
+def _scale(x, mean_flag, call):
+    if mean_flag and call.size > 1:
+        return x * tf.cast(1.0 / call.size, x.dtype)
+    return x
+
+
+def _all_reduce_sum(x, call):
+    return _collective.all_reduce(x, call, "sum")
+
+
+def _all_gather(x, call):
+    if x.dtype in _WIDEN:
+        return tf.cast(_collective.all_gather(tf.cast(x, tf.float32), call), x.dtype)
+    return _collective.all_gather(x, call)
+
+
+def _reduce_scatter(x, call):
+    if x.dtype in _WIDEN:
+        return tf.cast(_collective.reduce_scatter(tf.cast(x, tf.float32), call), x.dtype)
+    return _collective.reduce_scatter(x, call)
+
+
+def _check_divisible(shape, n, what, arg="x"):
+    """Raises if the leading dim (when static) is not a multiple of `n`."""
+    if shape.rank == 0:
+        raise ValueError(f"{what} needs a tensor of rank >= 1. Received: {arg}.shape={shape}")
+    if shape.rank is not None and shape[0] is not None and shape[0] % n:
+        raise ValueError(
+            f"{what}: the first dimension must be divisible by the group size "
+            f"{n}. Received: {arg}.shape={shape}"
+        )
+
+
+def _check_accumulator(accumulator, shape, what):
+    acc_shape = tf.TensorShape(accumulator.shape)
+    if not acc_shape.is_compatible_with(shape):
+        raise ValueError(
+            f"{what}: the accumulator must have the gradient's shape {shape}. "
+            f"Received: accumulator.shape={acc_shape}"
+        )
+
+
+def _dense(dy):
+    return tf.convert_to_tensor(dy)
+
+
+def _add_into(accumulator, dy):
+    """accumulator += dy (cast to the accumulator's dtype); returns the op."""
+    return accumulator.assign_add(tf.cast(dy, accumulator.dtype), read_value=False)
+
+
+def _take(accumulator, dtype):
+    """Reads the accumulator as `dtype`, then resets it to zeros."""
+    value = tf.cast(accumulator.read_value(), dtype)
+    with tf.control_dependencies([value]):
+        reset = accumulator.assign(tf.zeros_like(accumulator), read_value=False)
+    with tf.control_dependencies([reset]):
+        return tf.identity(value)
+
+
+def _counts_step(step, accumulation_steps):
+    """Advances the step counter; returns whether this is an update step."""
+    new_step = step.assign_add(tf.ones([], step.dtype))
+    return tf.equal(new_step % tf.cast(accumulation_steps, step.dtype), 0)
+
+
+def _branch(pred, true_fn, false_fn):
+    # Eager: a Python branch, so that the in-process replicas' merge_call is
+    # never inside control flow. Every replica's counter holds the same value,
+    # so every replica takes the same branch (the SPMD rule).
+    if tf.executing_eagerly():
+        return true_fn() if bool(pred) else false_fn()
+    return tf.cond(pred, true_fn, false_fn)
+
+
+# ---------------------------------------------------------------------------
+# MirrorOperator
+# ---------------------------------------------------------------------------
+
+
+def mirror_operator(x, mean_flag=True, group=None, *, timeout=None, name=None):
+    """Marks `x` as a copy of a parameter mirrored over the group.
+
+    Forward: identity.
+    Backward: ``dx = all_reduce_sum(dy)`` over the group, times
+    ``1 / group_size`` if `mean_flag`. A sparse ``tf.IndexedSlices`` dy (e.g.
+    from an embedding lookup) has its indices and values all-gathered instead
+    (members may hold different numbers of rows), times ``1 / group_size``
+    on the values if `mean_flag`: the same sum, kept sparse.
+
+    Convention: ``mean_flag=False`` is the exact adjoint for the SUM
+    objective (each copy receives ``dL/dtheta = sum_r dy_r``);
+    ``mean_flag=True``, the reference's default, is the gradient of the MEAN
+    of the replicas' losses. Ranks outside `group` get `x` back and their
+    gradient passes through unchanged. With a group of one this is
+    ``tf.identity`` both ways (no scaling).
+
+    Args:
+        x: a floating tensor (a parameter or its copy).
+        mean_flag: divide the reduced gradient by the group size.
+        group: None (all replicas), a list of global ranks or a `Group`.
+        timeout: seconds before a missing peer raises DeadlineExceeded.
+        name: name for the collective ops (a layer's name).
+
+    Returns:
+        `x`, unchanged.
+
+    Raises:
+        TypeError: a non-floating `x` or a non-bool `mean_flag`.
+        ValueError: a group outside the world.
+    """
+    _check_mean_flag(mean_flag)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, _what("mirror_operator", name))
+    call = _collective.resolve(group, timeout, name)
+    if call.trivial:
+        return tf.identity(x)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+
+                def sparse():
+                    g = all_gather_indexed_slices(dy, call)
+                    return tf.IndexedSlices(_scale(g.values, mean_flag, call), g.indices, g.dense_shape)
+
+                return _collective.run(lambda: sparse() if call.member else dy)
+            dy = _dense(dy)
+            return _collective.run(
+                lambda: _scale(_all_reduce_sum(dy, call), mean_flag, call) if call.member else dy
+            )
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+# ---------------------------------------------------------------------------
+# MirrorMiniStepOperator: gradient accumulation over mini-steps.
+# ---------------------------------------------------------------------------
+
+
+def mirror_mini_step_operator(
+    x,
+    accumulator,
+    step,
+    accumulation_steps,
+    mean_flag=True,
+    group=None,
+    *,
+    timeout=None,
+    name=None,
+):
+    """Mirror with gradient accumulation: communicates once per `accumulation_steps`.
+
+    Forward: identity.
+    Backward (one call per mini-step): ``accumulator += dy``; ``step += 1``.
+    Then:
+
+    * update step (``step % accumulation_steps == 0``):
+      ``dx = all_reduce_sum(accumulator)`` over the group (times
+      ``1 / group_size`` if `mean_flag`), and the accumulator is reset to
+      zeros. dx is the SUM over the last `accumulation_steps` mini-steps and
+      over the group of dy (not divided by `accumulation_steps`).
+    * other steps: ``dx = zeros`` and no communication.
+
+    So the sum of the gradients returned over one accumulation cycle is the
+    mirrored gradient of the whole cycle, and an optimizer applies it once.
+
+    Differs from the reference: MindSpore's training cell adds the returned
+    gradient into its own buffer on non-update steps, so there the op
+    returns the local dy (times ``1 / dev_num`` if mean_flag); here the op
+    owns the buffer, so it returns zeros and nothing is counted twice. A
+    sparse dy is densified and accumulated (the reference returns zeros for
+    sparse gradients, unsupported there).
+
+    Replicas outside `group` accumulate and release their own (unreduced,
+    unscaled) sum on the update step, as a group of one.
+
+    Args:
+        x: a floating tensor.
+        accumulator: a per-replica variable shaped like `x`, initially zeros.
+        step: a per-replica integer variable counting backward calls,
+            initially 0.
+        accumulation_steps: int >= 1, mini-steps per update.
+        mean_flag: divide the reduced gradient by the group size.
+        group, timeout, name: as in `mirror_operator`.
+
+    Returns:
+        `x`, unchanged.
+    """
+    _check_mean_flag(mean_flag)
+    _check_steps(accumulation_steps)
+    what = _what("mirror_mini_step_operator", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    _check_accumulator(accumulator, x.shape, what)
+    call = _collective.resolve(group, timeout, name)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            dy = _dense(dy)
+            with tf.control_dependencies([_add_into(accumulator, dy)]):
+                update = _counts_step(step, accumulation_steps)
+
+            def release():
+                total = _take(accumulator, dy.dtype)
+                if call.trivial:
+                    return total
+                return _collective.run(
+                    lambda: _scale(_all_reduce_sum(total, call), mean_flag, call)
+                    if call.member
+                    else total
+                )
+
+            return _branch(update, release, lambda: tf.zeros_like(dy))
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+# ---------------------------------------------------------------------------
+# MirrorMicroStepOperator: pipeline micro-steps.
+# ---------------------------------------------------------------------------
+
+
+def mirror_micro_step_operator(
+    x,
+    accumulator,
+    mean_flag=True,
+    group=None,
+    optimizer_shard=False,
+    *,
+    timeout=None,
+    name=None,
+):
+    """Mirror at the end of pipeline micro-steps: reduces the accumulated gradient.
+
+    In pipeline training each micro-batch's gradient of a parameter is added
+    into `accumulator` (e.g. by `virtual_assign_add` on the micro-batch's
+    path); the mirror's backward runs once, after them, and releases it.
+
+    Forward: identity.
+    Backward: ``total = accumulator + dy`` (read after dy is computed), the
+    accumulator is reset to zeros, and
+
+    * ``optimizer_shard=False``: ``dx = all_reduce_sum(total)`` over the
+      group, times ``1 / group_size`` if `mean_flag`;
+    * ``optimizer_shard=True``: ``dx = total``, no communication: a sharded
+      optimizer reduce-scatters it (all-reducing here too would count the
+      gradient group-size times).
+
+    Differs from the reference: MindSpore ignores dy's value (its last
+    micro-batch also went through the buffer) and writes the reduced
+    gradient back into the buffer, returning a placeholder, because its
+    optimizer reads the buffer; here dy is added (so with no other writer
+    this is `mirror_operator`) and the reduced gradient is returned, since a
+    Keras optimizer reads the gradient. In the reference the all-reduce runs
+    with optimizer sharding too, over a mirror group that excludes the
+    optimizer-shard dimension; here the sharded optimizer does that part.
+
+    Replicas outside `group` release ``total`` unreduced and unscaled.
+
+    Args:
+        x: a floating tensor.
+        accumulator: a per-replica variable shaped like `x`, initially zeros.
+        mean_flag: divide the reduced gradient by the group size.
+        group, timeout, name: as in `mirror_operator`.
+        optimizer_shard: return the local accumulated gradient unreduced.
+
+    Returns:
+        `x`, unchanged.
+    """
+    _check_mean_flag(mean_flag)
+    if not isinstance(optimizer_shard, bool):
+        raise TypeError(
+            f"`optimizer_shard` must be a bool. Received: optimizer_shard={optimizer_shard!r}"
+        )
+    what = _what("mirror_micro_step_operator", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    _check_accumulator(accumulator, x.shape, what)
+    call = _collective.resolve(group, timeout, name)
+    reduce = not optimizer_shard and not call.trivial
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            dy = _dense(dy)
+            with tf.control_dependencies([_add_into(accumulator, dy)]):
+                total = _take(accumulator, dy.dtype)
+            if not reduce:
+                return total
+            return _collective.run(
+                lambda: _scale(_all_reduce_sum(total, call), mean_flag, call)
+                if call.member
+                else total
+            )
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+# ---------------------------------------------------------------------------
+# Mini/MicroStepAllGather: all-gather of a parameter shard with accumulation.
+# ---------------------------------------------------------------------------
+
+
+def _gather_forward(x, call):
+    return _collective.run(lambda: _all_gather(x, call) if call.member else tf.identity(x))
+
+
+def mini_step_all_gather(
+    x,
+    accumulator,
+    step,
+    accumulation_steps=1,
+    mean_flag=True,
+    group=None,
+    *,
+    timeout=None,
+    name=None,
+):
+    """All-gathers a parameter shard; accumulates its gradient over mini-steps.
+
+    Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` over the group (every
+    member's shard has the same shape).
+    Backward (one call per mini-step): ``accumulator += dy`` (dy has y's
+    shape); ``step += 1``. Then:
+
+    * update step (``step % accumulation_steps == 0``):
+      ``dx = reduce_scatter_sum(accumulator)`` (the SUM over the group, this
+      member's slice of axis 0), times ``1 / group_size`` if `mean_flag`;
+      the accumulator is reset to zeros.
+    * other steps: ``dx = zeros``, no communication.
+
+    With ``accumulation_steps=1`` this is the all-gather's own backward
+    (reduce-scatter of dy). Convention: ``mean_flag=False`` is the exact
+    adjoint for the SUM objective. Differs from the reference as
+    `mirror_mini_step_operator` does (zeros on non-update steps instead of
+    dy for the cell's buffer); the reference all-reduces the buffer and
+    keeps its split, the same numbers as the reduce-scatter used here.
+
+    Replicas outside `group` get `x` back and their gradient passes through
+    (no accumulation).
+
+    Args:
+        x: this member's shard, a floating tensor of rank >= 1.
+        accumulator: a per-replica variable shaped like the gathered output
+            (``x.shape[0] * group_size`` rows), initially zeros.
+        step: a per-replica integer variable, initially 0.
+        accumulation_steps: int >= 1.
+        mean_flag, group, timeout, name: as in `mirror_operator`.
+
+    Returns:
+        The gathered tensor (or `x` on non-members and with a group of one).
+    """
+    _check_mean_flag(mean_flag)
+    _check_steps(accumulation_steps)
+    what = _what("mini_step_all_gather", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    call = _collective.resolve(group, timeout, name)
+    _check_divisible(x.shape, 1, what)
+    if call.member:
+        full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
+            x.shape[1:]
+        )
+        _check_accumulator(accumulator, full, what)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = x if call.trivial else _gather_forward(x, call)
+
+        def grad(dy):
+            dy = _dense(dy)
+            if not call.member:
+                # Same program points as the members: counter, branch, run.
+                update = _counts_step(step, accumulation_steps)
+                return _branch(
+                    update, lambda: _collective.run(lambda: dy), lambda: dy
+                )
+            with tf.control_dependencies([_add_into(accumulator, dy)]):
+                update = _counts_step(step, accumulation_steps)
+
+            def release():
+                total = _take(accumulator, dy.dtype)
+                if call.trivial:
+                    return _scale(total, mean_flag, call)
+                return _collective.run(
+                    lambda: _scale(_reduce_scatter(total, call), mean_flag, call)
+                )
+
+            return _branch(update, release, lambda: tf.zeros_like(x))
+
+        return tf.identity(y), grad
+
+    return fn(x)
+
+
+def micro_step_all_gather(
+    x, accumulator, mean_flag=True, group=None, *, timeout=None, name=None
+):
+    """All-gathers a parameter shard; reduces the micro-steps' accumulated gradient.
+
+    Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` over the group.
+    Backward: ``total = accumulator + dy`` (accumulator holds the earlier
+    micro-batches' gradients of y, e.g. written by `virtual_assign_add`),
+    the accumulator is reset to zeros, and
+    ``dx = reduce_scatter_sum(total)`` (this member's slice of axis 0),
+    times ``1 / group_size`` if `mean_flag`.
+
+    Differs from the reference: MindSpore's ``_MicroStepAllGather`` ignores
+    dy's value (its last micro-batch also went through the buffer) and does
+    not reset the buffer (its optimizer clears it); here dy is added, so with
+    no other writer this is the all-gather's own backward.
+
+    Replicas outside `group` get `x` back and their gradient passes through
+    (the accumulator is not used).
+
+    Args:
+        x: this member's shard, a floating tensor of rank >= 1.
+        accumulator: a per-replica variable shaped like the gathered output.
+        mean_flag, group, timeout, name: as in `mirror_operator`.
+
+    Returns:
+        The gathered tensor (or `x` on non-members and with a group of one).
+    """
+    _check_mean_flag(mean_flag)
+    what = _what("micro_step_all_gather", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    call = _collective.resolve(group, timeout, name)
+    _check_divisible(x.shape, 1, what)
+    if call.member:
+        full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
+            x.shape[1:]
+        )
+        _check_accumulator(accumulator, full, what)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = x if call.trivial else _gather_forward(x, call)
+
+        def grad(dy):
+            dy = _dense(dy)
+            if not call.member:
+                return _collective.run(lambda: dy)
+            with tf.control_dependencies([_add_into(accumulator, dy)]):
+                total = _take(accumulator, dy.dtype)
+            if call.trivial:
+                return _scale(total, mean_flag, call)
+            return _collective.run(
+                lambda: _scale(_reduce_scatter(total, call), mean_flag, call)
+            )
+
+        return tf.identity(y), grad
+
+    return fn(x)

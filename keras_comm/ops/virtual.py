@@ -1,0 +1,301 @@
+"""Virtual operators: identity forward, bookkeeping backward.
+
+They mark places in a model where the backward pass must do something other
+than pass the gradient on: write it into an accumulation buffer
+(`virtual_assign_add`), replace it with the buffer (`virtual_accu_grad`), add
+the buffer to it (`virtual_add`), divide it (`virtual_div`), or drop it
+(`get_tensor_slice`, whose forward also slices).
+
+Ported from MindSpore's ``_VirtualAssignAdd``, ``_VirtualAccuGrad``,
+``_VirtualAdd``, ``_VirtualDiv`` and ``_GetTensorSlice`` backward rules.
+These rules implement pipeline / accumulation bookkeeping, not the adjoint
+of their identity forward; each docstring says exactly what is returned.
+
+Accumulators are caller-owned per-replica variables
+(``synchronization=ON_READ, aggregation=NONE``), initially zeros.
+"""
+
+import tensorflow as tf
+
+from keras_comm.ops import _collective
+from keras_comm.ops.mirror import _check_accumulator
+from keras_comm.ops.mirror import _check_divisible
+from keras_comm.ops.mirror import _check_float
+from keras_comm.ops.mirror import _reduce_scatter
+from keras_comm.ops.mirror import _what
+
+_GET_TENSOR_SLICE_BACKWARDS = ("zeros", "exact")
+
+
+def virtual_assign_add(x, accumulator, group=None, *, timeout=None, name=None):
+    """Routes `x`'s gradient into an accumulation buffer.
+
+    Forward: identity.
+    Backward: ``accumulator += dy``, or with a `group` of more than one
+    replica ``accumulator += reduce_scatter_sum(dy)`` (the SUM over the group,
+    this member's slice of axis 0: the gradient-accumulation shard); returns
+    ``dx = zeros``. The gradient reaches the parameter later through the
+    buffer (`virtual_accu_grad`, `mirror_micro_step_operator`, ...).
+
+    Not an adjoint by design (as in the reference, which returns a zero
+    placeholder). Replicas outside `group` add dy unreduced (their
+    accumulator must then be shaped like `x`).
+
+    Args:
+        x: a floating tensor.
+        accumulator: per-replica variable shaped like `x` (no group, or a
+            non-member), or like `x` with ``x.shape[0] / group_size`` rows.
+        group: None for no communication, a list of global ranks or a `Group`
+            to reduce-scatter over. (Unlike the mirrors, None here means
+            *no* group, as in the reference.)
+        timeout, name: as in `keras_comm.ops.mirror_operator`.
+
+    Returns:
+        `x`, unchanged.
+    """
+    what = _what("virtual_assign_add", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    call = None if group is None else _collective.resolve(group, timeout, name)
+    scatter = call is not None and not call.trivial
+    if scatter and call.member:
+        _check_divisible(x.shape, call.size, what)
+        shard = x.shape
+        if shard.rank is not None and shard[0] is not None:
+            shard = tf.TensorShape([shard[0] // call.size]).concatenate(shard[1:])
+        _check_accumulator(accumulator, shard, what)
+    else:
+        _check_accumulator(accumulator, x.shape, what)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            if scatter:
+                dy = _collective.run(lambda: _reduce_scatter(dy, call) if call.member else dy)
+            with tf.control_dependencies(
+                [accumulator.assign_add(tf.cast(dy, accumulator.dtype), read_value=False)]
+            ):
+                return tf.zeros_like(x)
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+def _read_after(accumulator, dy, dtype):
+    # Read the buffer only once dy exists: writes made by the backward of
+    # later uses (earlier in backward order) must land first.
+    with tf.control_dependencies([dy]):
+        return tf.cast(accumulator.read_value(), dtype)
+
+
+def virtual_accu_grad(x, accumulator, *, name=None):
+    """Replaces `x`'s gradient with an accumulation buffer's value.
+
+    Forward: identity.
+    Backward: ``dx = accumulator`` (read after dy is computed); dy itself is
+    discarded and the buffer is left as is. With `virtual_assign_add` on the
+    micro-batch paths this hands the accumulated gradient to the parameter.
+
+    As the reference (``F.depend(accumulator, dout)``); not an adjoint.
+
+    Args:
+        x: a floating tensor.
+        accumulator: a per-replica variable shaped like `x`.
+        name: a layer name for error messages.
+
+    Returns:
+        `x`, unchanged.
+    """
+    what = _what("virtual_accu_grad", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    _check_accumulator(accumulator, x.shape, what)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            return _read_after(accumulator, tf.convert_to_tensor(dy), x.dtype)
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+def virtual_add(x, accumulator, *, name=None):
+    """Adds an accumulation buffer to `x`'s gradient.
+
+    Forward: identity (the buffer does not enter the forward value).
+    Backward: ``dx = dy + accumulator`` (read after dy is computed); the
+    buffer gets no gradient and is left as is.
+
+    As the reference (``(dout + grad_accu, zeros)``).
+
+    Args:
+        x: a floating tensor.
+        accumulator: a variable shaped like `x`.
+        name: a layer name for error messages.
+
+    Returns:
+        `x`, unchanged.
+    """
+    what = _what("virtual_add", name)
+    x = tf.convert_to_tensor(x)
+    _check_float(x, what)
+    _check_accumulator(accumulator, x.shape, what)
+
+    @tf.custom_gradient
+    def fn(x):
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            return dy + _read_after(accumulator, dy, dy.dtype)
+
+        return tf.identity(x), grad
+
+    return fn(x)
+
+
+def _check_divisor(divisor):
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or divisor == 0:
+        raise ValueError(
+            f"`divisor` must be a non-zero number. Received: divisor={divisor!r}"
+        )
+    return divisor
+
+
+def virtual_div(x, divisor):
+    """Divides the gradient flowing back through `x` by `divisor`.
+
+    Forward: identity (`x` may be a tensor, or a tuple/list/nest of tensors).
+    Backward: ``dx = dy / divisor`` for every floating tensor of the nest;
+    integer and bool tensors get their gradient passed through unchanged (as
+    in the reference; they carry no gradient in TF anyway).
+
+    As the reference; the exact adjoint of ``y = x`` would be ``dy`` — use it
+    to turn a SUM of replica gradients into a MEAN (divisor = replicas).
+
+    Args:
+        x: a tensor, or a tuple/list (any `tf.nest` structure) of tensors.
+        divisor: a non-zero number.
+
+    Returns:
+        `x` with the same structure.
+
+    Raises:
+        ValueError: a zero or non-numeric `divisor`.
+    """
+    _check_divisor(divisor)
+    flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x)]
+
+    def one(t):
+        if not t.dtype.is_floating and not t.dtype.is_complex:
+            return tf.identity(t)
+
+        @tf.custom_gradient
+        def fn(t):
+            def grad(dy):
+                if isinstance(dy, tf.IndexedSlices):
+                    return tf.IndexedSlices(
+                        dy.values / tf.cast(divisor, dy.values.dtype), dy.indices, dy.dense_shape
+                    )
+                return dy / tf.cast(divisor, dy.dtype)
+
+            return tf.identity(t), grad
+
+        return fn(t)
+
+    return tf.nest.pack_sequence_as(x, [one(t) for t in flat])
+
+
+def get_tensor_slice(
+    x, axis=0, num_slices=None, group=None, backward="zeros", *, name=None
+):
+    """Keeps this replica's slice of a full tensor.
+
+    Forward: splits `x` into `num_slices` equal slices along `axis` and
+    returns slice number ``group.index(rank) % num_slices``, where
+    `num_slices` defaults to the group size (the common case: member i of
+    the group keeps the i-th shard).
+    Backward, chosen by name:
+
+    * ``backward="zeros"`` (the reference's ``_GetTensorSlice``): ``dx = 0``.
+      The full tensor is treated as a constant (MindSpore uses the op to
+      load a parameter's shard).
+    * ``backward="exact"``: the adjoint, ``dx`` is dy placed at this slice's
+      position in zeros of `x`'s shape.
+
+    No communication. Replicas outside `group` get the whole `x` (and their
+    gradient per `backward`: zeros, or dy).
+
+    Args:
+        x: a tensor whose `axis` dimension is divisible by `num_slices`.
+        axis: the axis to slice (negative counts from the end).
+        num_slices: int >= 1, or None for the group size.
+        group: None (all replicas), a list of global ranks or a `Group`.
+        backward: "zeros" or "exact".
+        name: a layer name for error messages.
+
+    Returns:
+        This replica's slice.
+
+    Raises:
+        ValueError: bad `axis`, `num_slices`, `backward`, or a dimension not
+            divisible by `num_slices`.
+    """
+    what = _what("get_tensor_slice", name)
+    if backward not in _GET_TENSOR_SLICE_BACKWARDS:
+        raise ValueError(
+            f"`backward` must be one of {_GET_TENSOR_SLICE_BACKWARDS}. "
+            f"Received: backward={backward!r}"
+        )
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < rank:
+        raise ValueError(
+            f"{what}: `axis` must be an int in [-{rank}, {rank}) for an input of "
+            f"shape {x.shape}. Received: axis={axis!r}"
+        )
+    axis %= rank
+    call = _collective.resolve(group, None, name)
+    n = call.size if num_slices is None else num_slices
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"`num_slices` must be an int >= 1 or None. Received: num_slices={num_slices!r}")
+    dim = x.shape[axis]
+    if dim is not None and dim % n:
+        raise ValueError(
+            f"{what}: dimension {axis} ({dim}) must be divisible by the number of "
+            f"slices {n}. Received: x.shape={x.shape}"
+        )
+    if not call.member:
+        index = None
+    else:
+        index = call.index % n
+
+    @tf.custom_gradient
+    def fn(x):
+        if index is None:
+            y = tf.identity(x)
+        else:
+            d = tf.shape(x)[axis]
+            size = d // n
+            begin = tf.one_hot(axis, rank, on_value=index * size, off_value=0, dtype=tf.int32)
+            sizes = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [size])
+            y = tf.slice(x, begin, sizes)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            if backward == "zeros":
+                return tf.zeros_like(x)
+            if index is None:
+                return dy
+            d = tf.shape(x)[axis]
+            size = d // n
+            pads = tf.one_hot(axis, rank, on_value=1, off_value=0, dtype=tf.int32)[:, None] * tf.stack(
+                [index * size, d - (index + 1) * size]
+            )[None, :]
+            return tf.pad(dy, pads)
+
+        return y, grad
+
+    return fn(x)
