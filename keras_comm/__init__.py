@@ -11,6 +11,8 @@ from keras_comm.topology import Group
 from keras_comm.topology import rank
 from keras_comm.topology import world_size
 
+from keras_comm import compat as _compat; _compat.apply()  # noqa: E702  Keras 3 x MWMS fix: see compat.py
+
 __version__ = "0.1.0"
 
 __all__ = [

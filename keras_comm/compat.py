@@ -1,0 +1,432 @@
+"""Makes Keras 3 `fit`, `evaluate` and `predict` exact under MultiWorkerMirroredStrategy.
+
+Stock Keras 3 (TensorFlow backend) cannot train under
+`tf.distribute.MultiWorkerMirroredStrategy` (keras-team/keras#20585, #20329,
+tensorflow/tensorflow#72388), and where it runs it is not exact:
+
+1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from a batch it
+   pulls out of the distributed iterator and passes the nest of `PerReplica`
+   values to `strategy.reduce`, which fails ("Attempt to convert a value
+   (PerReplica...)"). Pulling a batch also consumes a step's worth of input
+   when the iterator is kept across epochs.
+   Replacement: build from the distributed dataset's `element_spec` (shapes and
+   dtypes only: no data consumed, nothing communicated).
+2. `TensorFlowTrainer._make_function` reduces step outputs with
+   `reduce_per_replica`, which under MWMS uses `axis=0` and fails on scalar
+   metrics ("Invalid reduction dimension 0"); a mean of per-replica metric
+   results would anyway be wrong when replicas hold different numbers of
+   samples (the final partial batch) or sample weights. Its
+   `steps_per_execution > 1` loop fails under any multi-replica strategy.
+   Replacement under MWMS: the step's metric logs are each metric's result
+   over its state summed across all replicas (one packed all-reduce per step),
+   exact and identical on every worker; `steps_per_execution` runs as a host
+   loop of single steps. Other strategies get upstream's function.
+3. `TensorFlowTrainer.train_step` averages the loss per replica and sums the
+   replicas' gradients scaled by 1/num_replicas: a mean of per-replica means,
+   which is the mean over the global batch only when every replica holds as
+   many samples as the others. Replacement: the same step, with the loss
+   scaled by `num_replicas * local_batch / global_batch` (one scalar
+   all-reduce), which is exactly 1 for equal shards and makes the final
+   partial batch exact too.
+
+`predict` is left to Keras: under MultiWorkerMirroredStrategy every worker
+passes the same (global) input, the input is sharded across workers, and
+`predict` all-gathers the outputs in input order, so each worker returns the
+full predictions for the whole input, identical on all workers.
+
+Scope and limits:
+
+- Applied on `import keras_comm`; `apply()` is idempotent and `revert()` restores
+  stock Keras. Only Keras `>=3.10,<3.16` with the TensorFlow backend is patched:
+  elsewhere `apply()` changes nothing and returns False, because the replaced
+  code is private Keras code that may differ. `tests/test_compat.py` records a
+  hash of each replaced function per Keras version and fails when it changes.
+- The exact-loss scaling lives in the default `train_step`; a model that
+  overrides `train_step` keeps its own loss scaling. The loss normalisation
+  made exact is Keras's default `"sum_over_batch_size"` (mean over samples);
+  `"mean_with_sample_weight"` losses are combined by sample counts.
+- Only `MultiWorkerMirroredStrategy` (also its in-process form with several
+  local devices) is changed; other strategies run stock Keras code paths.
+- NumPy inputs are shuffled by Keras on each worker; unless every worker sets
+  the same seed (`keras.utils.set_random_seed`) or passes `shuffle=False`, the
+  workers' permutations differ and a global batch is not a slice of one
+  permutation.
+"""
+
+import keras
+import tensorflow as tf
+
+__all__ = ["apply", "is_applied", "revert", "SUPPORTED_KERAS"]
+
+#: Keras versions whose trainer code this module was written against
+#: (lower bound inclusive, upper bound exclusive), as (major, minor).
+SUPPORTED_KERAS = ((3, 10), (3, 16))
+
+# Names of the replaced attributes, per owner. Originals are stored on the
+# patched module itself (not here) so that re-importing or reloading this
+# module cannot mistake a patched function for an original one.
+_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step")
+_ORIGINALS_ATTR = "_keras_comm_compat_originals"
+
+def _keras_version():
+    parts = keras.version().split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def _supported():
+    low, high = SUPPORTED_KERAS
+    return (
+        keras.backend.backend() == "tensorflow"
+        and low <= _keras_version() < high
+    )
+
+
+def _trainer_module():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def is_applied():
+    """Returns whether the Keras trainer currently carries this module's fix."""
+    if not _supported():
+        return False
+    return hasattr(_trainer_module(), _ORIGINALS_ATTR)
+
+
+def apply():
+    """Patches the Keras TensorFlow trainer for MultiWorkerMirroredStrategy.
+
+    Safe to call any number of times: a second call finds the patch in place
+    and does nothing.
+
+    Returns:
+        True if the fix is in place after the call; False if the installed
+        Keras version or backend is outside `SUPPORTED_KERAS` / TensorFlow,
+        in which case nothing was changed.
+    """
+    if not _supported():
+        return False
+    module = _trainer_module()
+    if hasattr(module, _ORIGINALS_ATTR):
+        return True
+    cls = module.TensorFlowTrainer
+    replacements = {
+        "_maybe_symbolic_build": _maybe_symbolic_build,
+        "_make_function": _make_function,
+        "train_step": _train_step,
+    }
+    setattr(module, _ORIGINALS_ATTR, {name: cls.__dict__[name] for name in _METHODS})
+    for name in _METHODS:
+        setattr(cls, name, replacements[name])
+    return True
+
+
+def revert():
+    """Restores stock Keras; a no-op when the fix is not applied.
+
+    Functions already traced by a model keep the code they were traced with:
+    revert before building step functions (e.g. before the first `fit`).
+    """
+    if not _supported():
+        return
+    module = _trainer_module()
+    originals = getattr(module, _ORIGINALS_ATTR, None)
+    if originals is None:
+        return
+    cls = module.TensorFlowTrainer
+    for name in _METHODS:
+        setattr(cls, name, originals[name])
+    delattr(module, _ORIGINALS_ATTR)
+
+
+def _original(name):
+    return getattr(_trainer_module(), _ORIGINALS_ATTR)[name]
+
+
+def _is_mwms(strategy):
+    # Covers the multi-worker form and the in-process form built from several
+    # local devices; MirroredStrategy and TPUStrategy keep stock behaviour.
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.num_replicas_in_sync > 1
+    )
+
+
+# --- 1. Build from the dataset's element spec --------------------------------
+
+
+def _local_spec(spec):
+    # Every replica receives the same structure; one replica's spec describes
+    # the inputs the model will be called on.
+    value_specs = getattr(spec, "_value_specs", None)
+    if isinstance(spec, tf.TypeSpec) and value_specs is not None:
+        return value_specs[0]
+    return spec
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Replaces `TensorFlowTrainer._maybe_symbolic_build`.
+
+    Upstream pulls a batch from `iterator` and `strategy.reduce`s it; here the
+    symbolic build only needs shapes and dtypes, which the distributed
+    dataset's `element_spec` gives without consuming or communicating data.
+    """
+    # As upstream: without a strategy scope, building is deferred to tracing.
+    if self._distribute_strategy is None:
+        return
+    if iterator is not None and data_batch is None:
+        element_spec = iterator._get_iterator().element_spec
+        data_batch = tf.nest.map_structure(
+            _local_spec, element_spec, expand_composites=False
+        )
+    with self.distribute_strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+# --- 2./3. Step functions with exact, identical logs on every worker ---------
+
+
+def _make_function(self, step_function):
+    """Replaces `TensorFlowTrainer._make_function` under MWMS (others: upstream).
+
+    Differences from upstream, each needed under MultiWorkerMirroredStrategy:
+
+    - Step logs that are the model's metrics (the key test Keras applies in
+      `_get_metrics_result_or_logs`) are computed from the metrics' state
+      summed over all replicas: the exact global value, identical on every
+      worker. Upstream's `reduce_per_replica` reduces them with `axis=0`,
+      which fails on scalars, and a mean of per-replica results would weight
+      replicas equally whatever their sample counts.
+    - `steps_per_execution > 1` runs as a host loop over single-step calls.
+      Upstream calls the step `tf.function` inside a `tf.while_loop`/`tf.cond`;
+      TF's collectives take their instance keys as call-time captures, which
+      do not propagate out of control flow, so under multi-replica strategies
+      it fails with "You must feed a value for placeholder tensor
+      'while/cond/Placeholder'". The host loop keeps what users see --
+      callbacks every `steps_per_execution` steps, a partial last execution --
+      but not the saving in launch overhead.
+    - A worker with an empty shard gets a batch of static size 0, which
+      Keras's loss code cannot handle (see `_unknown_if_empty`).
+    """
+    strategy = self.distribute_strategy
+    if not _is_mwms(strategy):
+        return _original("_make_function")(self, step_function)
+
+    def step_on_replica(data):
+        return step_function(tf.nest.map_structure(_unknown_if_empty, data))
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_on_replica, args=(data,))
+        return _reduce_step_outputs(self, strategy, outputs)
+
+    if not self.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data,
+            reduce_retracing=True,
+            jit_compile=self.jit_compile,
+        )
+    one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+
+    def function(iterator):
+        outputs = None
+        for _ in range(self.steps_per_execution):
+            try:
+                # Under MWMS the distributed iterator agrees across workers on
+                # the end of data: a worker with no samples left gets an empty
+                # batch until every worker is out, so all run the same steps.
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+            outputs = one_step_on_data(data)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return function
+
+
+def _unknown_if_empty(value):
+    """Hides a batch dimension that is statically 0.
+
+    A worker whose shard of the final global batch is empty gets a batch whose
+    static shape is (0, ...). Keras's loss reduction returns a loss of static
+    shape (0,) unreduced, which then cannot be added to the scalar losses
+    ("Shapes must be equal rank"). With the batch size unknown at trace time,
+    the usual reduction runs and the empty batch contributes zero.
+    """
+    if (
+        isinstance(value, tf.Tensor)
+        and not tf.executing_eagerly()
+        and value.shape.rank
+        and value.shape[0] == 0
+    ):
+        return tf.compat.v1.placeholder_with_default(
+            value, [None] + value.shape[1:].as_list()
+        )
+    return value
+
+
+def _replica_contribution(variable, replica_id, num_replicas):
+    # What a replica adds to the all-reduce SUM so that the sum is the value
+    # TensorFlow would read in cross-replica context for this aggregation.
+    value = tf.cast(tf.reshape(variable.value, [-1]), tf.float64)
+    if variable.aggregation == "sum":
+        return value
+    if variable.aggregation == "mean":
+        return value / num_replicas
+    # "only_first_replica" and "none": the first replica's value.
+    return tf.where(tf.equal(replica_id, 0), value, tf.zeros_like(value))
+
+
+def _global_metric_state(variables, strategy):
+    """All replicas' metric state, summed: one packed all-reduce in float64.
+
+    float64 keeps integer-valued counters exact and rounding negligible
+    whatever order the ring adds the pieces in.
+    """
+
+    def local_state():
+        context = tf.distribute.get_replica_context()
+        replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
+        packed = tf.concat(
+            [
+                _replica_contribution(v, replica_id, strategy.num_replicas_in_sync)
+                for v in variables
+            ],
+            axis=0,
+        )
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+
+    packed = strategy.experimental_local_results(strategy.run(local_state))[0]
+    sizes = [int(v.value.shape.num_elements()) for v in variables]
+    return [
+        tf.cast(tf.reshape(piece, v.value.shape), v.dtype)
+        for piece, v in zip(tf.split(packed, sizes), variables)
+    ]
+
+
+def _metrics_result(model, state_for):
+    # Mirrors `Trainer.get_metrics_result`, reading each metric from the given
+    # state instead of its variables.
+    results = {}
+    for metric in model.metrics:
+        result = metric.stateless_result(state_for(metric))
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results
+
+
+def _is_model_metrics_logs(model, outputs):
+    # Evaluated on zeros in a stateless scope: reads no synchronised variable,
+    # so it adds no collective to the step.
+    if not isinstance(outputs, dict):
+        return False
+    keys = _metrics_result(
+        model,
+        lambda m: [tf.zeros(v.value.shape, v.dtype) for v in m.variables],
+    ).keys()
+    return set(keys) == set(outputs.keys())
+
+
+def _reduce_step_outputs(model, strategy, outputs):
+    """Exact global metrics for metric logs; a mean over replicas otherwise."""
+    if _is_model_metrics_logs(model, outputs):
+        variables = [v for m in model.metrics for v in m.variables]
+        if not variables:
+            return _metrics_result(model, lambda m: [])
+        state = dict(
+            zip(
+                (id(v) for v in variables),
+                _global_metric_state(variables, strategy),
+            )
+        )
+        return _metrics_result(
+            model, lambda m: [state[id(v)] for v in m.variables]
+        )
+    # A custom `train_step`'s outputs: upstream's "auto" reduction (a mean over
+    # replicas), with `axis=None` so scalars work.
+    return tf.nest.map_structure(
+        lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None),
+        outputs,
+    )
+
+
+# --- 4. Exact loss and gradient over the global batch -------------------------
+
+
+def _global_batch_weight(local_batch_size, dtype):
+    """`num_replicas * local / global` batch size, as a loss multiplier.
+
+    Keras scales each replica's mean loss by 1/num_replicas; multiplying by
+    this turns that into the replica's share of the mean over the global
+    batch. Exactly 1.0 when all replicas hold equally many samples.
+    """
+    strategy = tf.distribute.get_strategy()
+    if not _is_mwms(strategy):
+        return None
+    local = tf.cast(local_batch_size, tf.float32)
+    total = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, local
+    )
+    weight = tf.math.divide_no_nan(
+        local * float(strategy.num_replicas_in_sync), total
+    )
+    return tf.cast(weight, dtype)
+
+
+def _train_step(self, data):
+    """Replaces `TensorFlowTrainer.train_step`: upstream's step, plus the
+    global-batch loss weight before the gradient (see `_global_batch_weight`).
+    """
+    # Imported here: private Keras modules, resolved once the version guard
+    # has accepted this Keras.
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+
+    # Forward pass
+    with tf.GradientTape() as tape:
+        if self._call_has_training_arg:
+            y_pred = self(x, training=True)
+        else:
+            y_pred = self(x)
+        loss = self._compute_loss(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=True,
+        )
+        batch_size = tf.shape(
+            next(i for i in tree.flatten(x) if i is not None)
+        )[0]
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=batch_size,
+        )
+        weight = _global_batch_weight(batch_size, loss.dtype)
+        if weight is not None:
+            loss = loss * weight
+        if self.optimizer is not None:
+            loss = self.optimizer.scale_loss(loss)
+
+    # Compute gradients
+    if self.trainable_weights:
+        trainable_weights = self.trainable_weights
+        gradients = tape.gradient(loss, trainable_weights)
+
+        # Update weights
+        self.optimizer.apply_gradients(zip(gradients, trainable_weights))
+    else:
+        import warnings
+
+        # Upstream's warning, kept so behaviour matches stock Keras.
+        warnings.warn("The model does not have any trainable weights.")
+
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
