@@ -1,0 +1,158 @@
+"""Host-side collectives: `host_all_gather` and `host_reduce_scatter`.
+
+The reference's ``_HostAllGather`` / ``_HostReduceScatter`` run on the host
+(CPU) instead of the accelerator, e.g. to keep large, rarely used tensors off
+the device network. Here the collective is placed on the worker's CPU,
+``/job:.../task:i/device:CPU:0``, when that CPU serves exactly one replica
+(one accelerator per worker): the tensor is copied to host memory, gathered
+or reduced over the CPU ring (gRPC), and the result copied back to the
+replica's device.
+
+Honest limits:
+
+* If the replica already is a CPU (CPU-only machines, the in-process test
+  replicas), the collective runs on that CPU: exactly `all_gather` /
+  `reduce_scatter`.
+* TF's collectives cannot put two members of one collective on the same
+  device, so when several local replicas share one host CPU (several GPUs
+  per worker) the collective stays on the replicas' own devices (NCCL): the
+  same values, without the host placement.
+"""
+
+import tensorflow as tf
+
+from keras_comm import topology
+from keras_comm.ops import _collective
+from keras_comm.ops.reduce_op import ReduceOp
+
+_CAST_TO_FLOAT32 = (tf.bfloat16,)
+
+
+def _what(fn_name, name):
+    return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
+
+
+def host_device(device):
+    """The host CPU a replica on `device` should run host collectives on."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if (spec.device_type or "CPU").upper() == "CPU":
+        return device
+    if _collective._local_replica_count() > 1:  # pylint: disable=protected-access
+        return device
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def _host_call(call):
+    host = host_device(call.device)
+    if host == call.device:
+        return call
+    replica = topology.Replica(call.replica.rank, call.replica.world_size, host)
+    return _collective.Call(replica, call.group, call.timeout, call.name)
+
+
+def _on_host(fn, x, call):
+    """Runs the primitive `fn(x, host_call)` on the host; result on the replica."""
+    host = _host_call(call)
+    cast = x.dtype in _CAST_TO_FLOAT32
+    with tf.device(host.device):
+        y = fn(tf.cast(x, tf.float32) if cast else tf.identity(x), host)
+    with tf.device(call.device):
+        return tf.cast(y, x.dtype) if cast else tf.identity(y)
+
+
+def _gather(x, call):
+    return _on_host(_collective.all_gather, x, call)
+
+
+def _scatter(x, call, what):
+    n = call.size
+    if x.shape.rank == 0 or (x.shape[0] is not None and x.shape[0] % n):
+        raise ValueError(
+            f"{what}: axis 0 of `x` must be divisible by the group size {n}. "
+            f"Received: x.shape={tuple(x.shape)}"
+        )
+    return _on_host(_collective.reduce_scatter, x, call)
+
+
+def host_all_gather(x, group=None, *, timeout=None, name=None):
+    """Concatenates every member's `x` along axis 0, on the host CPU.
+
+    Forward: ``concat([x_0, ..., x_{n-1}], axis=0)`` (group order), computed
+    on the worker's CPU (see the module notes for when it is not). Backward:
+    `host_reduce_scatter` SUM of dy: the sum over members of dy, own slice.
+    Exact adjoint; as the reference. Non-members return `x` and pass their
+    gradient through.
+
+    Args:
+        x: the same shape on every member (rank >= 1).
+        group: member ranks; None = the world.
+        timeout: seconds before DeadlineExceeded.
+        name: op name (the layer's name).
+    """
+    what = _what("host_all_gather", name)
+    x = tf.convert_to_tensor(x)
+    if x.shape.rank == 0:
+        raise ValueError(f"{what}: `x` must have rank >= 1. Received: x.shape=()")
+    call = _collective.resolve(group, timeout, name)
+    if call.trivial:
+        return tf.identity(x)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(lambda: _gather(x, call) if call.member else tf.identity(x))
+
+        def grad(dy):
+            return _collective.run(lambda: _scatter(dy, call, what) if call.member else dy)
+
+        return y, grad
+
+    return fn(x)
+
+
+def host_reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
+    """Sums `x` over the group on the host CPU; each member keeps its slice.
+
+    Forward: ``sum_i x_i``, split in n along axis 0, member k keeps slice k;
+    computed on the worker's CPU (see the module notes). Backward:
+    `host_all_gather` of dy. Exact adjoint; as the reference.
+
+    Only SUM is supported: the reference accepts other ops forward but
+    raises in their backward; here the error comes at call time instead.
+
+    Args:
+        x: same shape on every member; axis 0 divisible by the group size.
+        op: "sum" or `ReduceOp.SUM`.
+        group: member ranks; None = the world. Non-members return `x`.
+        timeout: seconds before DeadlineExceeded.
+        name: op name (the layer's name).
+    """
+    what = _what("host_reduce_scatter", name)
+    op = ReduceOp.from_value(op)
+    if op is not ReduceOp.SUM:
+        raise ValueError(
+            f"{what}: only op='sum' has a backward (as in the reference). "
+            f"Received: op={op.value!r}"
+        )
+    x = tf.convert_to_tensor(x)
+    call = _collective.resolve(group, timeout, name)
+    if call.trivial:
+        return tf.identity(x)
+    if x.shape.rank == 0 or (x.shape[0] is not None and x.shape[0] % call.size):
+        raise ValueError(
+            f"{what}: axis 0 of `x` must be divisible by the group size "
+            f"{call.size}. Received: x.shape={tuple(x.shape)}"
+        )
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(lambda: _scatter(x, call, what) if call.member else tf.identity(x))
+
+        def grad(dy):
+            return _collective.run(lambda: _gather(dy, call) if call.member else dy)
+
+        return y, grad
+
+    return fn(x)
+
+
+__all__ = ["host_all_gather", "host_reduce_scatter"]
