@@ -22,6 +22,13 @@ def _what(fn_name, name):
     return p2p._what(fn_name, name)  # pylint: disable=protected-access
 
 
+def _check_world(ranks, world, what):
+    try:
+        topology.Group(ranks).check_world(world)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
 # ---------------------------------------------------------------------------
 # NeighborExchange.
 # ---------------------------------------------------------------------------
@@ -224,9 +231,14 @@ def neighbor_exchange(
                 f"{what}: input {i} has shape {tuple(x.shape)}, which does not "
                 f"match send_shapes[{i}]={s}."
             )
-    call = _collective.resolve(None if group is None else list(ranks), timeout, name)
+    call = _collective.resolve(None, timeout, name)
     world = call.replica.world_size
-    if group is None and len(ranks) != world:
+    if world > 1 and group is not None:
+        _check_world(ranks, world, what)
+    if world == 1:
+        # One replica (or no strategy): nothing to exchange; received slots are zeros.
+        transfers = []
+    elif group is None and len(ranks) != world:
         raise ValueError(
             f"{what}: `send_ranks`/`recv_ranks` have {len(ranks)} rows but the "
             f"world has {world} replicas; give one row per rank."
@@ -537,8 +549,13 @@ def neighbor_exchange_v2(
         )
     rt, rb, rl, rr = recv_lens
     ph, pw = rt + height + rb, rl + width + rr
-    call = _collective.resolve(None if group is None else list(ranks), timeout, name)
-    if group is None and len(ranks) != call.replica.world_size:
+    call = _collective.resolve(None, timeout, name)
+    if call.replica.world_size > 1 and group is not None:
+        _check_world(ranks, call.replica.world_size, what)
+    if call.replica.world_size == 1:
+        # One replica: the tile is the whole image; halos are the zero border.
+        transfers = []
+    elif group is None and len(ranks) != call.replica.world_size:
         raise ValueError(
             f"{what}: the rank tables have {len(ranks)} rows but the world has "
             f"{call.replica.world_size} replicas; give one row per rank."
