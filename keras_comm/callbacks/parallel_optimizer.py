@@ -1,0 +1,313 @@
+"""`ParallelOptimizer`: gradient accumulation and optimizer-state sharding for `fit`."""
+
+import enum
+import logging
+import weakref
+
+import keras
+import tensorflow as tf
+
+from keras_comm.callbacks import _engine
+from keras_comm.callbacks import _sharding
+
+logger = logging.getLogger("keras_comm")
+
+# One engine (sharded state) per model, so that a second `fit` -- with the
+# same or a new callback -- continues from the same optimizer state.
+_ENGINES = weakref.WeakKeyDictionary()
+
+
+class ZeroStage(enum.IntEnum):
+    """What is sharded over the replicas (ZeRO, Rajbhandari et al. 2020)."""
+
+    #: Nothing: plain data parallel, one all-reduce per update.
+    NONE = 0
+    #: Optimizer state (slots and the float32 master weights).
+    OPTIMIZER = 1
+    #: Optimizer state and the gradient accumulation buffers.
+    GRADIENTS = 2
+
+
+def _format_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+
+
+class ParallelOptimizer(keras.callbacks.Callback):
+    """Gradient accumulation and ZeRO optimizer-state sharding for `model.fit`.
+
+    Adding the callback is all it takes; it works with any Keras optimizer
+    (SGD, Adam, AdamW, ...), with `LossScaleOptimizer` (mixed precision), and
+    across several `fit` calls on the same model (the sharded state is kept
+    per model). Without a strategy it trains as one replica.
+
+    How a step runs: `fit` calls the model's train function once per
+    micro-batch; this callback replaces it, for the duration of `fit`, with a
+    host-side dispatcher over two compiled step functions -- "accumulate
+    locally" and "accumulate, reduce, apply" -- so no collective ever sits
+    inside a `tf.cond` (keras-team/keras#20582).
+
+    Semantics: each micro-batch's gradient is the gradient of that global
+    micro-batch's loss (as in plain `fit`). Every `accumulation_steps`
+    micro-batches the optimizer takes one step with their mean (`mean=True`)
+    or sum. At the end of an epoch whose length is not a multiple of
+    `accumulation_steps`, the k pending micro-batches are applied as one step
+    with the mean over those k (a window never spans two epochs), so with
+    equally sized micro-batches `fit` matches plain training with batch
+    ``accumulation_steps x micro-batch`` including the epoch's last, smaller
+    batch. When the epoch length is unknown the pending window is applied in
+    `on_epoch_end`.
+
+    Collectives: zero_stage 0 all-reduces the accumulated gradient once per
+    update. zero_stage 1 reduce-scatters it (flattened, each variable padded
+    to a multiple of the replica count), updates this replica's 1/N shard of
+    the weights with its 1/N share of the optimizer state, and all-gathers
+    the weights: the bytes of one all-reduce. zero_stage 2 also shards the
+    accumulation buffer, so it reduce-scatters every micro-step.
+
+    Gradients are reduced here and only here: the model's own `train_step`
+    and `optimizer.apply_gradients` are not called. Layers whose backward
+    itself communicates (keras_comm comm layers) produce gradients that this
+    callback then sums over replicas exactly as plain data parallelism would.
+
+    Args:
+        accumulation_steps: micro-batches per optimizer step, an int >= 1.
+        zero_stage: 0, 1 or 2 (or a `ZeroStage`).
+        mean: average the accumulated micro-batch gradients (True) or sum
+            them (False).
+        dump_local_norm: add each trainable variable's local (this replica's,
+            not reduced) gradient norm of the last micro-batch to the batch
+            logs as ``local_grad_norm/<variable path>``.
+
+    Raises:
+        ValueError: for an invalid argument, or (at train begin) a strategy,
+            optimizer option or `steps_per_execution` it cannot serve.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build_and_compile()
+    po = keras_comm.callbacks.ParallelOptimizer(accumulation_steps=4, zero_stage=1)
+    model.fit(ds, epochs=3, callbacks=[po])
+    po.state_bytes()  # optimizer state this replica holds
+    ```
+    """
+
+    def __init__(
+        self, accumulation_steps=1, zero_stage=0, mean=True, dump_local_norm=False
+    ):
+        super().__init__()
+        if (
+            isinstance(accumulation_steps, bool)
+            or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1
+        ):
+            raise ValueError(
+                "`accumulation_steps` must be an int >= 1. "
+                f"Received: accumulation_steps={accumulation_steps!r}"
+            )
+        try:
+            if isinstance(zero_stage, bool):
+                raise ValueError
+            zero_stage = ZeroStage(zero_stage)
+        except ValueError:
+            raise ValueError(
+                "`zero_stage` must be one of 0 (data parallel), 1 (shard "
+                "optimizer state) or 2 (also shard gradient accumulation). "
+                f"Received: zero_stage={zero_stage!r}"
+            ) from None
+        if not isinstance(mean, bool):
+            raise ValueError(f"`mean` must be a bool. Received: mean={mean!r}")
+        if not isinstance(dump_local_norm, bool):
+            raise ValueError(
+                f"`dump_local_norm` must be a bool. Received: dump_local_norm={dump_local_norm!r}"
+            )
+        self.accumulation_steps = accumulation_steps
+        self.zero_stage = zero_stage
+        self.mean = mean
+        self.dump_local_norm = dump_local_norm
+        self._engine = None
+        self._original_train_function = None
+        self._functions = None
+        self._pending = 0
+        self._step_in_epoch = 0
+        self.counts = {"micro_steps": 0, "updates": 0}
+
+    def get_config(self):
+        return {
+            "accumulation_steps": self.accumulation_steps,
+            "zero_stage": int(self.zero_stage),
+            "mean": self.mean,
+            "dump_local_norm": self.dump_local_norm,
+        }
+
+    # --- state ------------------------------------------------------------
+
+    def state_bytes(self, breakdown=False):
+        """Bytes of optimizer state (and accumulation buffers) this replica holds.
+
+        Args:
+            breakdown: return a dict ``{"optimizer", "master", "accumulation"}``
+                instead of the total.
+
+        Raises:
+            ValueError: before the callback has served a `fit`.
+        """
+        if self._engine is None:
+            raise ValueError(
+                "`state_bytes()` is known once `fit` has started with this "
+                "callback. Received: state_bytes() before fit"
+            )
+        parts = self._engine.nbytes()
+        return parts if breakdown else sum(parts.values())
+
+    def unsharded_state_bytes(self):
+        """Bytes the same state takes unsharded (zero_stage 0), per replica.
+
+        Same breakdown keys as `state_bytes(breakdown=True)`.
+        """
+        parts = self.state_bytes(breakdown=True)
+        layout = self._engine.layout
+        full, shard = sum(layout.sizes), layout.shard_total
+        itemsize = 4  # every tensor the callback holds is float32
+        return {
+            "optimizer": parts["optimizer"] // (shard * itemsize) * full * itemsize,
+            "master": full * itemsize,
+            "accumulation": full * itemsize if parts["accumulation"] else 0,
+        }
+
+    # --- validation -------------------------------------------------------
+
+    def _validate(self, model):
+        strategy = model.distribute_strategy
+        supported = (
+            isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            or not tf.distribute.has_strategy()
+            and strategy.num_replicas_in_sync == 1
+        )
+        if not supported:
+            raise ValueError(
+                "ParallelOptimizer runs under tf.distribute.MultiWorkerMirroredStrategy "
+                "or without a strategy. "
+                f"Received: strategy={type(strategy).__name__}"
+            )
+        if model.steps_per_execution != 1:
+            raise ValueError(
+                "ParallelOptimizer dispatches one micro-batch per train-function "
+                "call and needs `steps_per_execution=1` in `compile`. "
+                f"Received: steps_per_execution={model.steps_per_execution}"
+            )
+        if model.run_eagerly and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "ParallelOptimizer needs compiled steps with several replicas. "
+                "Received: run_eagerly=True"
+            )
+        if model.optimizer is None:
+            raise ValueError("ParallelOptimizer needs a compiled model. Received: optimizer=None")
+        _, inner = _engine.user_optimizers(model.optimizer)
+        if getattr(inner, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "Use ParallelOptimizer(accumulation_steps=...) instead of the "
+                "optimizer's own gradient accumulation, which fails under "
+                "tf.distribute (keras-team/keras#20582). Received: "
+                f"gradient_accumulation_steps={inner.gradient_accumulation_steps}"
+            )
+        if inner.use_ema:
+            raise ValueError(
+                "ParallelOptimizer does not support optimizer EMA. Received: use_ema=True"
+            )
+        if self.zero_stage >= 1 and strategy.num_replicas_in_sync > 1:
+            for name in ("clipnorm", "global_clipnorm"):
+                if getattr(inner, name, None):
+                    raise ValueError(
+                        f"`{name}` needs whole gradients; with zero_stage >= 1 "
+                        "each replica holds a shard. Use clipvalue or "
+                        f"zero_stage=0. Received: {name}={getattr(inner, name)}"
+                    )
+
+    # --- fit hooks --------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._validate(model)
+        engine = _ENGINES.get(model)
+        if engine is None or not engine.matches(
+            model, self.zero_stage, self.accumulation_steps, self.dump_local_norm
+        ):
+            engine = _engine.Engine(
+                model, int(self.zero_stage), self.accumulation_steps, self.dump_local_norm
+            )
+            _ENGINES[model] = engine
+        self._engine = engine
+        strategy = model.distribute_strategy
+        micro = (
+            model._make_function(engine.micro_step)
+            if self.accumulation_steps > 1
+            else None
+        )
+        apply = model._make_function(engine.apply_step)
+        flush = None
+        if self.accumulation_steps > 1:
+            flush = tf.function(lambda: strategy.run(engine.flush_step))
+        self._functions = {"micro": micro, "apply": apply, "flush": flush}
+        self._original_train_function = model.train_function
+        model.train_function = self._train_function
+        self._pending = 0
+        if getattr(strategy.extended, "should_checkpoint", True):
+            parts = self.state_bytes(breakdown=True)
+            full = self.unsharded_state_bytes()
+            logger.info(
+                "optimizer state per replica: %s (1/%d of %s); gradient "
+                "accumulation buffers: %s (%s)",
+                _format_bytes(parts["optimizer"] + parts["master"]),
+                engine.num_shards,
+                _format_bytes(full["optimizer"] + full["master"]),
+                _format_bytes(parts["accumulation"]),
+                "sharded" if self.zero_stage == 2 else "not sharded",
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._step_in_epoch = 0
+
+    def _train_function(self, iterator):
+        steps = self.params.get("steps") if self.params else None
+        if self._functions["micro"] is None or _sharding.is_apply_step(
+            self._pending, self.accumulation_steps, self._step_in_epoch, steps
+        ):
+            self._engine.set_scale(
+                _sharding.accumulation_scale(self._pending + 1, self.mean)
+            )
+            logs = self._functions["apply"](iterator)
+            self._pending = 0
+            self.counts["updates"] += 1
+        else:
+            logs = self._functions["micro"](iterator)
+            self._pending += 1
+        self.counts["micro_steps"] += 1
+        self._step_in_epoch += 1
+        if self.dump_local_norm:
+            logs = dict(logs)
+            logs.update(self._engine.local_norms())
+        return logs
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Only reached with pending micro-batches when the epoch length is
+        # unknown (otherwise its last step applied them).
+        self._flush()
+
+    def _flush(self):
+        if self._pending and self._functions and self._functions["flush"] is not None:
+            self._engine.set_scale(_sharding.accumulation_scale(self._pending, self.mean))
+            self._functions["flush"]()
+            self._pending = 0
+            self.counts["updates"] += 1
+
+    def on_train_end(self, logs=None):
+        self._flush()
+        if self.model is not None and self._functions is not None:
+            self.model.train_function = self._original_train_function
+        self._functions = None
