@@ -33,6 +33,39 @@ def _what(fn_name, name):
     return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
 
 
+def _member_index(call, rank, arg, what):
+    """The group index of global `rank` (a root/dest/src argument)."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{what}: `{arg}` must be an int global rank. Received: {arg}={rank!r}")
+    if rank not in call.group:
+        raise ValueError(
+            f"{what}: `{arg}` must be a global rank in the group "
+            f"{list(call.group.ranks)}. Received: {arg}={rank!r}"
+        )
+    return call.group.index(rank)
+
+
+def _check_divisible(x, axis, n, what, layer_kind):
+    """Static check that ``x.shape[axis]`` splits into `n` equal parts."""
+    if x.shape.rank is None:
+        raise ValueError(f"{what}: the input needs a known rank. Received: x.shape={x.shape}")
+    if x.shape.rank == 0:
+        raise ValueError(f"{what}: the input must have at least one dimension. Received: x.shape={x.shape}")
+    dim = x.shape[axis]
+    if dim is not None and dim % n:
+        raise ValueError(
+            f"{what}: {layer_kind} needs dimension {axis} of the input to be "
+            f"divisible by the group size {n}. Received: x.shape={x.shape}"
+        )
+
+
+def _broadcast(x, call, root_index):
+    """The broadcast primitive, with bfloat16 carried as float32."""
+    if x.dtype == tf.bfloat16:
+        return tf.cast(_collective.broadcast(tf.cast(x, tf.float32), call, root_index), tf.bfloat16)
+    return _collective.broadcast(x, call, root_index)
+
+
 def _gather(x, call):
     """The all_gather primitive, with bfloat16 carried as float32."""
     if x.dtype == tf.bfloat16:

@@ -1,0 +1,158 @@
+"""`AllGather`, `ReduceScatter`, `CollectiveGather` and `CollectiveScatter` layers."""
+
+import keras
+
+from keras_comm.layers.all_reduce import CollectiveLayer
+from keras_comm.layers.all_reduce import _validate_rank_in_group
+from keras_comm.ops.gather_scatter import all_gather
+from keras_comm.ops.gather_scatter import collective_gather
+from keras_comm.ops.gather_scatter import collective_scatter
+from keras_comm.ops.gather_scatter import reduce_scatter
+from keras_comm.ops.reduce_op import ReduceOp
+
+
+def _axis0_unknown(shape):
+    # Axis 0 is multiplied or divided by the group size, which is only known
+    # when the layer runs (and non-members keep their input shape).
+    shape = tuple(shape)
+    return (None,) + shape[1:]
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class AllGather(CollectiveLayer):
+    """Concatenates every group member's input along axis 0, on every member.
+
+    Forward: ``concat([x_0, ..., x_{n-1}], axis=0)``. Backward: reduce-scatter
+    SUM of dy (this member's slice of the summed gradient), times 1/n if
+    `mean_flag` (the reference's convention; `mean_flag=False` is the exact
+    adjoint). See `keras_comm.ops.all_gather`.
+
+    Args:
+        mean_flag: scale the gradient by 1/group size.
+        group: None (all replicas) or a list of global ranks.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: ``(d0, ...)``, the same on every member.
+    Output shape: ``(n * d0, ...)`` (reported as ``(None, ...)``);
+    non-members of `group` get their input back.
+    """
+
+    def __init__(self, mean_flag=False, group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        if not isinstance(mean_flag, bool):
+            raise TypeError(f"`mean_flag` must be a bool. Received: mean_flag={mean_flag!r}")
+        self.mean_flag = mean_flag
+
+    _output_shape = staticmethod(_axis0_unknown)
+
+    def call(self, inputs):
+        return all_gather(inputs, self.mean_flag, self.group, timeout=self.timeout, name=self.name)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["mean_flag"] = self.mean_flag
+        return cfg
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class ReduceScatter(CollectiveLayer):
+    """Sums the input over the group; member i keeps slice i of axis 0.
+
+    Forward: ``(sum_r x_r)[i*k:(i+1)*k]``, ``k = d0 / n``. Backward: all-gather
+    of dy (exact adjoint). See `keras_comm.ops.reduce_scatter`.
+
+    Args:
+        op: only "sum" (`ReduceOp.SUM`).
+        group: None (all replicas) or a list of global ranks.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: ``(d0, ...)`` with d0 divisible by the group size (checked
+    when the layer runs, naming the layer and the shape).
+    Output shape: ``(d0 / n, ...)`` (reported as ``(None, ...)``).
+
+    Raises:
+        ValueError: `op` is not SUM.
+    """
+
+    def __init__(self, op="sum", group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        self.op = ReduceOp.from_value(op)
+        if self.op is not ReduceOp.SUM:
+            raise ValueError(
+                "ReduceScatter supports only op='sum' (its gradient is an all-gather). "
+                f"Received: op={op!r}"
+            )
+
+    _output_shape = staticmethod(_axis0_unknown)
+
+    def call(self, inputs):
+        return reduce_scatter(inputs, self.op, self.group, timeout=self.timeout, name=self.name)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["op"] = self.op.value
+        return cfg
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class CollectiveGather(CollectiveLayer):
+    """Concatenates every member's input along axis 0 at member `dest`.
+
+    Forward: the concatenation at `dest`, zeros of the same shape on the
+    other members. Backward: broadcast dy from `dest`, each member keeps its
+    own slice (exact adjoint). See `keras_comm.ops.collective_gather`.
+
+    Args:
+        dest: GLOBAL rank of the destination; must be in `group`.
+        group: None (all replicas) or a list of global ranks.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: ``(d0, ...)``, the same on every member.
+    Output shape: ``(n * d0, ...)`` (reported as ``(None, ...)``).
+    """
+
+    def __init__(self, dest=0, group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        self.dest = _validate_rank_in_group(dest, self.group, "dest")
+
+    _output_shape = staticmethod(_axis0_unknown)
+
+    def call(self, inputs):
+        return collective_gather(inputs, self.dest, self.group, timeout=self.timeout, name=self.name)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["dest"] = self.dest
+        return cfg
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class CollectiveScatter(CollectiveLayer):
+    """Splits `src`'s input along axis 0; group member i receives slice i.
+
+    Forward: ``x_src[i*k:(i+1)*k]``, ``k = d0 / n`` (other members' inputs
+    only give shape and dtype). Backward: dy gathered at `src`, zeros on
+    the other members (exact adjoint). See `keras_comm.ops.collective_scatter`.
+
+    Args:
+        src: GLOBAL rank of the source; must be in `group`.
+        group: None (all replicas) or a list of global ranks.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: ``(d0, ...)`` with d0 divisible by the group size.
+    Output shape: ``(d0 / n, ...)`` (reported as ``(None, ...)``).
+    """
+
+    def __init__(self, src=0, group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        self.src = _validate_rank_in_group(src, self.group, "src")
+
+    _output_shape = staticmethod(_axis0_unknown)
+
+    def call(self, inputs):
+        return collective_scatter(inputs, self.src, self.group, timeout=self.timeout, name=self.name)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["src"] = self.src
+        return cfg

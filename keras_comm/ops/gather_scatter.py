@@ -1,0 +1,241 @@
+"""Differentiable gathers and scatters along axis 0.
+
+`all_gather` / `reduce_scatter` (every member gets a result) and
+`collective_gather` / `collective_scatter` (one member is the destination or
+source). Ranks outside the group get `x` back unchanged (so their output
+shape is their input shape) and their gradient passes through.
+"""
+
+import tensorflow as tf
+
+from keras_comm.ops import _collective
+from keras_comm.ops.all_reduce import _broadcast
+from keras_comm.ops.all_reduce import _check_divisible
+from keras_comm.ops.all_reduce import _check_dtype
+from keras_comm.ops.all_reduce import _gather
+from keras_comm.ops.all_reduce import _member_index
+from keras_comm.ops.all_reduce import _what
+from keras_comm.ops.reduce_op import ReduceOp
+
+
+def _prepare(x, fn_name, name):
+    what = _what(fn_name, name)
+    x = tf.convert_to_tensor(x)
+    _check_dtype(x, what)
+    if x.shape.rank is None or x.shape.rank == 0:
+        raise ValueError(
+            f"{what}: the input must have a known rank >= 1 (it is split or "
+            f"concatenated along axis 0). Received: x.shape={x.shape}"
+        )
+    return x, what
+
+
+def _reduce_scatter(x, call):
+    if x.dtype == tf.bfloat16 and _collective.has_native_reduce_scatter(call.device):
+        return tf.cast(_collective.reduce_scatter(tf.cast(x, tf.float32), call), tf.bfloat16)
+    return _collective.reduce_scatter(x, call)
+
+
+def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
+    """Concatenates every group member's `x` along axis 0, on every member.
+
+    Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` on every member.
+    Backward: ``dx = reduce_scatter_sum(dy)`` (this member's slice of the sum
+    of every member's dy), times ``1/n`` if `mean_flag`. The scaling is the
+    reference's convention (for gathered parameter shards whose gradients
+    are averaged); the exact adjoint is ``mean_flag=False``.
+
+    Every member must pass the same shape (TF's all-gather requires it; a
+    mismatch fails at run time with InvalidArgument). dtypes: float16,
+    bfloat16 (sent as float32), float32, float64, int32, int64.
+
+    Args:
+        x: a tensor of rank >= 1.
+        mean_flag: scale the gradient by 1/group size.
+        group: None (all replicas), a list of global ranks or a `Group`.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+        name: name for the collective ops (a layer's name).
+
+    Returns:
+        Shape ``[n * x.shape[0], ...]`` on members; `x` on non-members.
+    """
+    x, what = _prepare(x, "all_gather", name)
+    call = _collective.resolve(group, timeout, name)
+    if call.trivial:
+        return tf.identity(x)
+    n = call.size
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(lambda: _gather(x, call) if call.member else x)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+
+            def thunk():
+                dx = _reduce_scatter(dy, call)
+                return dx * tf.cast(1.0 / n, dx.dtype) if mean_flag else dx
+
+            return _collective.run(thunk if call.member else lambda: dy)
+
+        return y, grad
+
+    return fn(x)
+
+
+def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
+    """Sums `x` over the group; member i keeps slice i of axis 0.
+
+    Forward: ``y_i = (sum_r x_r)[i*k:(i+1)*k]`` with ``k = x.shape[0] / n``.
+    Backward: ``dx = all_gather(dy)`` (exact adjoint).
+
+    On GPUs (NCCL) this is TF's native reduce-scatter; on CPUs, where TF has
+    no reduce-scatter kernel, an all-to-all plus a local sum (same bytes).
+
+    Args:
+        x: a tensor whose axis 0 is divisible by the group size.
+        op: only `ReduceOp.SUM` / "sum" (the reference supports no other
+            gradient).
+        group, timeout, name: as for `all_reduce`.
+
+    Returns:
+        Shape ``[x.shape[0] / n, ...]`` on members; `x` on non-members.
+
+    Raises:
+        ValueError: `op` is not SUM; axis 0 not divisible by the group size.
+    """
+    what = _what("reduce_scatter", name)
+    op = ReduceOp.from_value(op)
+    if op is not ReduceOp.SUM:
+        raise ValueError(
+            f"{what}: only op='sum' is supported (its gradient is an all-gather). "
+            f"Received: op={op.value!r}"
+        )
+    x, what = _prepare(x, "reduce_scatter", name)
+    call = _collective.resolve(group, timeout, name)
+    _check_divisible(x, 0, call.size, what, "ReduceScatter")
+    if call.trivial:
+        return tf.identity(x)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(lambda: _reduce_scatter(x, call) if call.member else x)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            return _collective.run(lambda: _gather(dy, call) if call.member else dy)
+
+        return y, grad
+
+    return fn(x)
+
+
+def collective_gather(x, dest=0, group=None, *, timeout=None, name=None):
+    """Concatenates every member's `x` along axis 0 at member `dest`.
+
+    Forward: at `dest`, ``concat([x_0, ..., x_{n-1}], axis=0)``; the other
+    members output zeros of the same shape (so every member's output has one
+    shape, and the reference's backward is the exact adjoint).
+    Backward: broadcast dy from `dest`; each member keeps its own slice
+    ``dy_dest[i*k:(i+1)*k]``.
+
+    Implemented with an all-gather (TF has no gather-to-one collective): it
+    moves n times the bytes a gather-to-one needs.
+
+    Args:
+        x: a tensor of rank >= 1, same shape on every member.
+        dest: the destination's GLOBAL rank; must be in the group.
+        group, timeout, name: as for `all_reduce`.
+
+    Returns:
+        Shape ``[n * x.shape[0], ...]`` on members; `x` on non-members.
+
+    Raises:
+        ValueError: `dest` not in the group. TypeError: `dest` not an int.
+    """
+    x, what = _prepare(x, "collective_gather", name)
+    call = _collective.resolve(group, timeout, name)
+    dest_index = _member_index(call, dest, "dest", what)
+    if call.trivial:
+        return tf.identity(x)
+    is_dest = call.member and call.index == dest_index
+
+    @tf.custom_gradient
+    def fn(x):
+        def forward():
+            gathered = _gather(x, call)
+            return gathered if is_dest else tf.zeros_like(gathered)
+
+        y = _collective.run(forward if call.member else lambda: x)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+
+            def backward():
+                k = tf.shape(x)[0]
+                full = _broadcast(dy, call, dest_index)
+                return full[call.index * k : (call.index + 1) * k]
+
+            return _collective.run(backward if call.member else lambda: dy)
+
+        return y, grad
+
+    return fn(x)
+
+
+def collective_scatter(x, src=0, group=None, *, timeout=None, name=None):
+    """Splits `src`'s `x` along axis 0; group member i receives slice i.
+
+    Forward: ``y_i = x_src[i*k:(i+1)*k]`` with ``k = x.shape[0] / n``. Every
+    member passes a tensor of the same shape (only `src`'s values are used;
+    the others give shape and dtype).
+    Backward: gather dy at `src` (``dx_src = concat(dy_0 .. dy_{n-1})``);
+    zeros on the other members (their x does not affect the output): the
+    exact adjoint.
+
+    Implemented with one all-to-all (src sends slice i to member i).
+
+    Args:
+        x: a tensor whose axis 0 is divisible by the group size.
+        src: the source's GLOBAL rank; must be in the group.
+        group, timeout, name: as for `all_reduce`.
+
+    Returns:
+        Shape ``[x.shape[0] / n, ...]`` on members; `x` on non-members.
+
+    Raises:
+        ValueError: `src` not in the group; axis 0 not divisible by the group
+            size. TypeError: `src` not an int.
+    """
+    x, what = _prepare(x, "collective_scatter", name)
+    call = _collective.resolve(group, timeout, name)
+    src_index = _member_index(call, src, "src", what)
+    _check_divisible(x, 0, call.size, what, "CollectiveScatter")
+    if call.trivial:
+        return tf.identity(x)
+    n = call.size
+    is_src = call.member and call.index == src_index
+
+    @tf.custom_gradient
+    def fn(x):
+        def forward():
+            shape = tf.shape(x)
+            chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
+            if not is_src:
+                chunks = tf.zeros_like(chunks)
+            return _collective.all_to_all(chunks, call)[src_index]
+
+        y = _collective.run(forward if call.member else lambda: x)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+
+            def backward():
+                gathered = _gather(dy, call)
+                return gathered if is_src else tf.zeros_like(gathered)
+
+            return _collective.run(backward if call.member else lambda: dy)
+
+        return y, grad
+
+    return fn(x)
