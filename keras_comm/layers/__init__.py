@@ -2,6 +2,13 @@
 
 from keras_comm.layers.all_reduce import AllReduce
 from keras_comm.layers.all_swap import AllSwap
+from keras_comm.layers.all_to_all import AlltoAll
+from keras_comm.layers.broadcast import Broadcast
+from keras_comm.layers.broadcast import Reduce
+from keras_comm.layers.gather_scatter import AllGather
+from keras_comm.layers.gather_scatter import CollectiveGather
+from keras_comm.layers.gather_scatter import CollectiveScatter
+from keras_comm.layers.gather_scatter import ReduceScatter
 from keras_comm.layers.host import HostAllGather
 from keras_comm.layers.host import HostReduceScatter
 from keras_comm.layers.mirror import MicroStepAllGather
@@ -20,8 +27,13 @@ from keras_comm.layers.virtual import VirtualAssignAdd
 from keras_comm.layers.virtual import VirtualDiv
 
 __all__ = [
+    "AllGather",
     "AllReduce",
     "AllSwap",
+    "AlltoAll",
+    "Broadcast",
+    "CollectiveGather",
+    "CollectiveScatter",
     "GetTensorSlice",
     "HostAllGather",
     "HostReduceScatter",
@@ -33,6 +45,8 @@ __all__ = [
     "NeighborExchange",
     "NeighborExchangeV2",
     "Receive",
+    "Reduce",
+    "ReduceScatter",
     "Send",
     "VirtualAccuGrad",
     "VirtualAdd",

@@ -2,6 +2,13 @@
 
 from keras_comm.ops.all_reduce import all_reduce
 from keras_comm.ops.all_swap import all_swap
+from keras_comm.ops.all_to_all import all_to_all
+from keras_comm.ops.broadcast import broadcast
+from keras_comm.ops.broadcast import reduce
+from keras_comm.ops.gather_scatter import all_gather
+from keras_comm.ops.gather_scatter import collective_gather
+from keras_comm.ops.gather_scatter import collective_scatter
+from keras_comm.ops.gather_scatter import reduce_scatter
 from keras_comm.ops.host import host_all_gather
 from keras_comm.ops.host import host_reduce_scatter
 from keras_comm.ops.local_norm import local_norms
@@ -24,8 +31,13 @@ from keras_comm.ops.virtual import virtual_div
 
 __all__ = [
     "ReduceOp",
+    "all_gather",
     "all_reduce",
     "all_swap",
+    "all_to_all",
+    "broadcast",
+    "collective_gather",
+    "collective_scatter",
     "get_tensor_slice",
     "halo_rank_ids",
     "host_all_gather",
@@ -39,6 +51,8 @@ __all__ = [
     "neighbor_exchange",
     "neighbor_exchange_v2",
     "receive",
+    "reduce",
+    "reduce_scatter",
     "send",
     "virtual_accu_grad",
     "virtual_add",

@@ -1,0 +1,80 @@
+"""`Broadcast` and `Reduce` layers."""
+
+import keras
+
+from keras_comm.layers.all_reduce import CollectiveLayer
+from keras_comm.layers.all_reduce import _validate_rank_in_group
+from keras_comm.ops.broadcast import broadcast
+from keras_comm.ops.broadcast import reduce
+from keras_comm.ops.broadcast import validate_gradient
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class Broadcast(CollectiveLayer):
+    """Sends `root`'s input to every group member.
+
+    Forward: ``x_root`` everywhere. Backward: with ``gradient="exact"``
+    (default) the exact adjoint, the SUM of every member's dy at `root` and
+    zeros elsewhere: the gradient of the global objective (the sum of the
+    replicas' losses), so training matches single-process training. With
+    ``gradient="identity"`` dy passes through unchanged: the reference's
+    (MindSpore's) choice, right when every member keeps its own copy and the
+    broadcast only re-synchronizes it. See `keras_comm.ops.broadcast`.
+
+    Args:
+        root: GLOBAL rank of the source; must be in `group`.
+        group: None (all replicas) or a list of global ranks.
+        gradient: "exact" or "identity".
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: any, the same on every member. Output shape: the same.
+    """
+
+    def __init__(self, root=0, group=None, gradient="exact", timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        self.root = _validate_rank_in_group(root, self.group, "root")
+        self.gradient = validate_gradient(gradient)
+
+    def call(self, inputs):
+        return broadcast(
+            inputs,
+            self.root,
+            self.group,
+            gradient=self.gradient,
+            timeout=self.timeout,
+            name=self.name,
+        )
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg.update({"root": self.root, "gradient": self.gradient})
+        return cfg
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class Reduce(CollectiveLayer):
+    """Sums the input over the group into member `dest`.
+
+    Forward: the sum at `dest`; zeros of the same shape on the other members.
+    Backward: dy of `dest` broadcast to every member (exact adjoint, given
+    the zeros). See `keras_comm.ops.reduce`.
+
+    Args:
+        dest: GLOBAL rank of the destination; must be in `group`.
+        group: None (all replicas) or a list of global ranks.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: any, the same on every member. Output shape: the same.
+    """
+
+    def __init__(self, dest=0, group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
+        self.dest = _validate_rank_in_group(dest, self.group, "dest")
+
+    def call(self, inputs):
+        return reduce(inputs, self.dest, self.group, timeout=self.timeout, name=self.name)
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["dest"] = self.dest
+        return cfg

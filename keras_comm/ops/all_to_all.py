@@ -1,0 +1,98 @@
+"""Differentiable all-to-all with split and concat dimensions."""
+
+import tensorflow as tf
+
+from keras_comm.ops import _collective
+from keras_comm.ops.all_reduce import _check_divisible
+from keras_comm.ops.all_reduce import _check_dtype
+from keras_comm.ops.all_reduce import _what
+
+
+def _validate_int(value, arg):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{arg}` must be an int. Received: {arg}={value!r}")
+    return value
+
+
+def normalize_dim(dim, rank, arg, what):
+    """`dim` in ``[-rank, rank)`` as a non-negative axis."""
+    _validate_int(dim, arg)
+    if not -rank <= dim < rank:
+        raise ValueError(
+            f"{what}: `{arg}` must be in [{-rank}, {rank}) for an input of rank "
+            f"{rank}. Received: {arg}={dim}"
+        )
+    return dim % rank
+
+
+def _exchange(x, call, split_dim, concat_dim):
+    n = call.size
+    chunks = tf.stack(tf.split(x, n, axis=split_dim), axis=0)
+    received = _collective.all_to_all(chunks, call)
+    return tf.concat(tf.unstack(received, num=n, axis=0), axis=concat_dim)
+
+
+def all_to_all(x, split_count, split_dim, concat_dim, group=None, *, timeout=None, name=None):
+    """Exchanges chunks of `x` between all group members.
+
+    Forward: split `x` along `split_dim` into `split_count` equal chunks;
+    chunk i goes to group member i; the chunks received (in member order)
+    are concatenated along `concat_dim`. The output shape is the input
+    shape with ``split_dim`` divided and ``concat_dim`` multiplied by the
+    group size.
+    Backward: the same all-to-all with `split_dim` and `concat_dim`
+    swapped (exact adjoint: all-to-all is a permutation of the chunks).
+
+    Args:
+        x: a tensor of known rank; same shape on every member.
+        split_count: must equal the group size.
+        split_dim: axis to split (negative counts from the end).
+        concat_dim: axis to concatenate along (negative allowed).
+        group: None (all replicas), a list of global ranks or a `Group`.
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+        name: name for the collective ops (a layer's name).
+
+    Returns:
+        The exchanged tensor on members; `x` unchanged on non-members.
+
+    Raises:
+        ValueError: `split_count` differs from the group size, a dim is out
+            of range, or ``x.shape[split_dim]`` is not divisible.
+        TypeError: a non-int argument or an unsupported dtype.
+    """
+    what = _what("all_to_all", name)
+    _validate_int(split_count, "split_count")
+    x = tf.convert_to_tensor(x)
+    _check_dtype(x, what)
+    if x.shape.rank is None or x.shape.rank == 0:
+        raise ValueError(
+            f"{what}: the input must have a known rank >= 1. Received: x.shape={x.shape}"
+        )
+    rank = x.shape.rank
+    split_dim = normalize_dim(split_dim, rank, "split_dim", what)
+    concat_dim = normalize_dim(concat_dim, rank, "concat_dim", what)
+    call = _collective.resolve(group, timeout, name)
+    if split_count != call.size:
+        raise ValueError(
+            f"{what}: `split_count` must equal the group size {call.size}. "
+            f"Received: split_count={split_count}"
+        )
+    _check_divisible(x, split_dim, call.size, what, "AlltoAll")
+    if call.trivial:
+        return tf.identity(x)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(
+            lambda: _exchange(x, call, split_dim, concat_dim) if call.member else x
+        )
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            return _collective.run(
+                lambda: _exchange(dy, call, concat_dim, split_dim) if call.member else dy
+            )
+
+        return y, grad
+
+    return fn(x)
