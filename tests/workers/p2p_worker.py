@@ -74,9 +74,9 @@ def asymmetric_pattern(n):
     return send, recv
 
 
-def _exchange_ref(send, recv, n, k, m):
+def _exchange_ref(send, recv, n, k, m, group=None):
     from keras_comm.ops.neighbor import exchange_plan
-    _, _, _, _, _, transfers = exchange_plan(send, recv, [[3]] * k, [[3]] * m)
+    _, _, _, _, _, transfers = exchange_plan(send, recv, [[3]] * k, [[3]] * m, group)
 
     def ref_fn(xs):
         ys = [[tf.zeros([3], xs[0].dtype) for _ in range(m)] for _ in range(n)]
@@ -98,7 +98,7 @@ def neighbor_case(n, pattern, group=None):
         )
         return tf.stack(outs)
 
-    return op_fn, _exchange_ref(send, recv, n, k, m), _rank_input([k, 3])
+    return op_fn, _exchange_ref(send, recv, n, k, m, group), _rank_input([k, 3])
 
 
 # --- halo exchange ------------------------------------------------------------
