@@ -227,7 +227,10 @@ def _make_function(self, step_function):
             reduce_retracing=True,
             jit_compile=self.jit_compile,
         )
-    one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+    # Keras >= 3.12 passes tf.experimental.Optional inputs to steps as None.
+    autoconvert_optionals = getattr(self, "_autoconvert_optionals", None)
+    if autoconvert_optionals is not None:
+        one_step_on_data = autoconvert_optionals(one_step_on_data)
 
     def function(iterator):
         outputs = None
