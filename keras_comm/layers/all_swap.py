@@ -4,7 +4,7 @@ import keras
 
 from keras_comm import topology
 from keras_comm.layers.point_to_point import _timeout
-from keras_comm.ops import all_swap as all_swap_ops
+from keras_comm.ops.all_swap import all_swap
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -45,7 +45,7 @@ class AllSwap(keras.layers.Layer):
 
     def call(self, inputs):
         x, send_sizes, recv_sizes = self._split(inputs)
-        return all_swap_ops.all_swap(
+        return all_swap(
             x, send_sizes, recv_sizes,
             None if self.group is None else list(self.group.ranks),
             timeout=self.timeout, name=self.name,

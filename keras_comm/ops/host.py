@@ -37,7 +37,11 @@ def host_device(device):
     spec = tf.DeviceSpec.from_string(device or "")
     if (spec.device_type or "CPU").upper() == "CPU":
         return device
-    if _collective._local_replica_count() > 1:  # pylint: disable=protected-access
+    try:
+        shared = _collective._local_replica_count() > 1  # pylint: disable=protected-access
+    except RuntimeError:  # no strategy: nothing shares the host
+        shared = False
+    if shared:
         return device
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
