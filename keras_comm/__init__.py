@@ -12,11 +12,13 @@ from keras_comm.topology import rank
 from keras_comm.topology import world_size
 
 from keras_comm import compat as _compat; _compat.apply()  # noqa: E702  Keras 3 x MWMS fix: see compat.py
+from keras_comm import callbacks  # noqa: E402  (after compat: uses its fixed trainer)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Group",
+    "callbacks",
     "get_timeout",
     "rank",
     "set_timeout",
