@@ -74,7 +74,9 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
 
             def thunk():
                 dx = _reduce_scatter(dy, call)
-                return dx * tf.cast(1.0 / n, dx.dtype) if mean_flag else dx
+                # tf.constant, not tf.cast: a Python float would pass
+                # through float32 first (1/3 off by 1e-8 in float64).
+                return dx * tf.constant(1.0 / n, dx.dtype) if mean_flag else dx
 
             return _collective.run(thunk if call.member else lambda: dy)
 
