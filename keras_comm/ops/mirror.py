@@ -68,7 +68,7 @@ def _check_steps(accumulation_steps):
 
 def _scale(x, mean_flag, call):
     if mean_flag and call.size > 1:
-        return x * tf.cast(1.0 / call.size, x.dtype)
+        return x * tf.constant(1.0 / call.size, x.dtype)
     return x
 
 
@@ -379,7 +379,12 @@ def mirror_micro_step_operator(
 
 
 def _gather_forward(x, call):
-    return _collective.run(lambda: _all_gather(x, call) if call.member else tf.identity(x))
+    y = _collective.run(lambda: _all_gather(x, call) if call.member else tf.identity(x))
+    if call.member and x.shape.rank is not None:
+        # The collective loses the static leading dimension; restore it.
+        lead = None if x.shape[0] is None else x.shape[0] * call.size
+        y.set_shape(tf.TensorShape([lead]).concatenate(x.shape[1:]))
+    return y
 
 
 def mini_step_all_gather(

@@ -197,9 +197,9 @@ def virtual_div(x, divisor):
             def grad(dy):
                 if isinstance(dy, tf.IndexedSlices):
                     return tf.IndexedSlices(
-                        dy.values / tf.cast(divisor, dy.values.dtype), dy.indices, dy.dense_shape
+                        dy.values / tf.constant(divisor, dy.values.dtype), dy.indices, dy.dense_shape
                     )
-                return dy / tf.cast(divisor, dy.dtype)
+                return dy / tf.constant(divisor, dy.dtype)
 
             return tf.identity(t), grad
 
@@ -282,6 +282,9 @@ def get_tensor_slice(
             begin = tf.one_hot(axis, rank, on_value=index * size, off_value=0, dtype=tf.int32)
             sizes = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [size])
             y = tf.slice(x, begin, sizes)
+            static = x.shape.as_list()
+            static[axis] = None if dim is None else dim // n
+            y.set_shape(static)
 
         def grad(dy):
             dy = tf.convert_to_tensor(dy)

@@ -1,0 +1,240 @@
+"""Worker: every mirror / virtual op, forward and gradient, across real processes.
+
+Each worker is one replica. Inputs are deterministic functions of the rank,
+so every worker computes the whole float64 single-process reference itself
+and reports the max errors of its own replica, in eager mode and in
+tf.function, for the whole world and for a subgroup.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from _cluster import write_result
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from keras_comm import ops  # noqa: E402
+
+N = strategy.num_replicas_in_sync
+ME = keras_comm.Group(range(N)).index(int(strategy.cluster_resolver.task_id))
+SHAPE = (6, 4)  # axis 0 divisible by 2 and 3
+
+
+def inp(r, t=0):
+    return np.arange(24.0).reshape(SHAPE) / 8.0 + (r + 1) + t
+
+
+def weights(r, shape, t=0):
+    return np.linspace(0.5, 1.5, int(np.prod(shape))).reshape(shape) * (r + 1) + t
+
+
+def local(out):
+    return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0].numpy(), out)
+
+
+def runner(fn, mode):
+    if mode == "function":
+        f = tf.function(lambda t: strategy.run(fn, args=(t,)))
+    else:
+        f = lambda t: strategy.run(fn, args=(t,))  # noqa: E731
+    return lambda t: local(f(tf.constant(t, tf.float64)))
+
+
+def per_replica(shape, dtype=tf.float64):
+    with strategy.scope():
+        return tf.Variable(
+            tf.zeros(shape, dtype),
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.NONE,
+        )
+
+
+def linear_case(op, ref):
+    """Stateless op: loss_r = sum(w_r * y_r); compare y and dx with the float64 reference."""
+
+    def fn(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = op(x)
+            loss = tf.reduce_sum(tf.constant(weights(r, y.shape)) * y)
+        return y, tape.gradient(loss, x)
+
+    def reference():
+        xs = [tf.constant(inp(r)) for r in range(N)]
+        with tf.GradientTape() as tape:
+            for x in xs:
+                tape.watch(x)
+            ys = ref(xs)
+            total = tf.add_n([tf.reduce_sum(tf.constant(weights(r, y.shape)) * y) for r, y in enumerate(ys)])
+        grads = tape.gradient(total, xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return ys[ME].numpy(), grads[ME].numpy()
+
+    return fn, reference
+
+
+def tied(members, scale):
+    def ref(xs):
+        total = tf.add_n([xs[s] for s in members])
+        return [
+            tf.stop_gradient(x) + (total - tf.stop_gradient(total)) * scale if r in members else x
+            for r, x in enumerate(xs)
+        ]
+
+    return ref
+
+
+def scaled(x, scale):
+    return x * scale + tf.stop_gradient(x * (1 - scale))
+
+
+def stateless_cases():
+    world = list(range(N))
+    sub = [0, N - 1]
+    acc = per_replica((SHAPE[0] * N, SHAPE[1]))
+    step = per_replica((), tf.int64)
+    size = SHAPE[0] // N
+    return {
+        "mirror_mean": linear_case(lambda x: ops.mirror_operator(x), tied(world, 1.0 / N)),
+        "mirror_subgroup_sum": linear_case(
+            lambda x: ops.mirror_operator(x, mean_flag=False, group=sub), tied(sub, 1.0)
+        ),
+        "mini_step_all_gather_k1": linear_case(
+            lambda x: ops.mini_step_all_gather(x, acc, step, 1, True),
+            lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
+        ),
+        "micro_step_all_gather": linear_case(
+            lambda x: ops.micro_step_all_gather(x, acc, False),
+            lambda xs: [tf.concat(xs, 0)] * N,
+        ),
+        "get_tensor_slice_exact": linear_case(
+            lambda x: ops.get_tensor_slice(x, backward="exact"),
+            lambda xs: [x[r * size : (r + 1) * size] for r, x in enumerate(xs)],
+        ),
+        "get_tensor_slice_zeros": linear_case(
+            lambda x: ops.get_tensor_slice(x),
+            lambda xs: [tf.stop_gradient(x[r * size : (r + 1) * size]) for r, x in enumerate(xs)],
+        ),
+        "virtual_div": linear_case(lambda x: ops.virtual_div(x, 4), lambda xs: [scaled(x, 0.25) for x in xs]),
+    }
+
+
+def quad_dy(r, t):
+    # loss_{r,t} = sum(w_{r,t} * y**2) with y = x_{r,t}: dy = 2 w x.
+    return 2 * weights(r, SHAPE, t) * inp(r, t)
+
+
+def quad_loss(y, r, t):
+    w = tf.constant(np.linspace(0.5, 1.5, 24).reshape(SHAPE)) * tf.cast(r + 1, tf.float64) + t
+    return tf.reduce_sum(w * y * y)
+
+
+def stateful_cases(mode):
+    """[(name, errors)] for the accumulation ops, over two steps."""
+    out = {}
+
+    # MirrorMiniStepOperator, k = 2, mean over the world.
+    acc, step = per_replica(SHAPE), per_replica((), tf.int64)
+
+    def mini(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r)) + t
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = quad_loss(ops.mirror_mini_step_operator(x, acc, step, 2), r, t)
+        return tape.gradient(loss, x)
+
+    run = runner(mini, mode)
+    g0, g1 = run(0), run(1)
+    want = sum(quad_dy(q, t) for q in range(N) for t in (0, 1)) / N
+    out["mirror_mini_step"] = max(np.abs(g0).max(), np.abs(g1 - want).max())
+
+    # Two pipeline micro-batches: the first through virtual_assign_add, the
+    # last through the micro-step mirror (subgroup, sum).
+    sub = [0, N - 1]
+    acc2 = per_replica(SHAPE)
+
+    def micro(t):
+        r = keras_comm.rank()
+        grads = []
+        for s in (0, 1):
+            x = tf.constant(inp(r)) + s
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                if s == 0:
+                    y = ops.virtual_assign_add(x, acc2)
+                else:
+                    y = ops.mirror_micro_step_operator(x, acc2, mean_flag=False, group=sub)
+                loss = quad_loss(y, r, s)
+            grads.append(tape.gradient(loss, x))
+        return grads
+
+    g0, g1 = runner(micro, mode)(0)
+    ranks = sub if ME in sub else [ME]
+    want = sum(quad_dy(q, s) for q in ranks for s in (0, 1))
+    out["mirror_micro_step_subgroup"] = max(np.abs(g0).max(), np.abs(g1 - want).max())
+
+    # MiniStepAllGather, k = 2, sum.
+    acc3, step3 = per_replica((SHAPE[0] * N, SHAPE[1])), per_replica((), tf.int64)
+
+    def gather(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r)) + t
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = ops.mini_step_all_gather(x, acc3, step3, 2, False)
+            loss = tf.reduce_sum(y) * (tf.cast(r + 1, tf.float64) + t)
+        return tape.gradient(loss, x)
+
+    run = runner(gather, mode)
+    g0, g1 = run(0), run(1)
+    want = sum((q + 1 + t) for q in range(N) for t in (0, 1))
+    out["mini_step_all_gather_k2"] = max(np.abs(g0).max(), np.abs(g1 - want).max())
+
+    # virtual_assign_add reduce-scattered over the world, read back by
+    # virtual_accu_grad; virtual_add of a rank-valued buffer.
+    shard = SHAPE[0] // N
+    acc4, acc5 = per_replica((shard, SHAPE[1])), per_replica(SHAPE)
+
+    def virtual(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r))
+        acc5.assign(tf.fill(SHAPE, tf.cast(100 * (r + 1), tf.float64)))
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            a = ops.virtual_assign_add(x, acc4, group=list(range(N)))
+            la = tf.reduce_sum(a * tf.cast(r + 1, tf.float64))
+            b = ops.virtual_add(x, acc5)
+            lb = tf.reduce_sum(b * 2.0)
+        ga, gb = tape.gradient(la, x), tape.gradient(lb, x)
+        s = x[:shard]
+        with tf.GradientTape() as tape2:
+            tape2.watch(s)
+            lc = tf.reduce_sum(ops.virtual_accu_grad(s, acc4) * 7.0)
+        return ga, gb, tape2.gradient(lc, s)
+
+    ga, gb, gc = runner(virtual, mode)(0)
+    out["virtual_assign_add_group"] = max(np.abs(ga).max(), np.abs(gc - N * (N + 1) / 2).max())
+    out["virtual_add"] = float(np.abs(gb - (2.0 + 100 * (ME + 1))).max())
+    return out
+
+
+def main():
+    results = {"rank": ME, "world": N, "errors": {}}
+    for mode in ("function", "eager"):
+        for name, (fn, reference) in stateless_cases().items():
+            y, g = runner(fn, mode)(0)
+            y_ref, g_ref = reference()
+            err = max(float(np.abs(y - y_ref).max()), float(np.abs(g - g_ref).max()))
+            results["errors"][f"{name}/{mode}"] = err
+        for name, err in stateful_cases(mode).items():
+            results["errors"][f"{name}/{mode}"] = float(err)
+    results["max_error"] = max(results["errors"].values())
+    results["passed"] = results["max_error"] < 1e-9
+    write_result(results)
+
+
+main()
