@@ -257,24 +257,30 @@ def main():
     n = strategy.num_replicas_in_sync
     me = cluster_rank()
     result = {"n": n, "errors": {}}
-    for name, op_fn, ref_fn, make in cases(n):
-        want = _reference(n, ref_fn, make)[me]
+    all_cases = cases(n)
+    wants = {name: _reference(n, ref_fn, make)[me] for name, _, ref_fn, make in all_cases}
 
-        def replica_fn(op_fn=op_fn, make=make):
-            r = keras_comm.rank()
+    def replica_fn():
+        # Every case in one step: one trace and one call per mode.
+        r = keras_comm.rank()
+        out = {}
+        for name, op_fn, _, make in all_cases:
             x = tf.constant(make(r, n))
             with tf.GradientTape() as tape:
                 tape.watch(x)
                 y = op_fn(x)
                 loss = _loss(r, y)
-            return y, tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            out[name] = (y, tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        return out
 
-        for mode in ("function", "eager"):
-            if mode == "function":
-                y, g = tf.function(lambda: strategy.run(replica_fn))()
-            else:
-                y, g = strategy.run(replica_fn)
+    for mode in ("function", "eager"):
+        if mode == "function":
+            got = tf.function(lambda: strategy.run(replica_fn))()
+        else:
+            got = strategy.run(replica_fn)
+        for name, (y, g) in got.items():
             y, g = np.asarray(y), np.asarray(g)
+            want = wants[name]
             ok_shape = y.shape == want[0].shape and g.shape == want[1].shape
             err = float(max(np.max(np.abs(y - want[0]), initial=0.0),
                             np.max(np.abs(g - want[1]), initial=0.0))) if ok_shape else float("inf")
