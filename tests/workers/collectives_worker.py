@@ -173,22 +173,26 @@ def simulate(ref_fn, zeros):
     return [(y.numpy(), g.numpy()) for y, g in zip(ys, grads)]
 
 
-def distributed(op_fn, zeros, mode):
+def distributed(mode):
+    """Every case in one `strategy.run` (one trace): {name: (y, dloss/dx)}."""
+
     def replica_fn():
         r = keras_comm.rank()
-        x = tf.constant(make_input(r, zeros))
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = op_fn(x)
-            loss = tf.reduce_sum(weights(r, tf.shape(y)) * y)
-        return y, tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        out = {}
+        for name, (op_fn, _, zeros, _) in CASES.items():
+            x = tf.constant(make_input(r, zeros))
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = op_fn(x)
+                loss = tf.reduce_sum(weights(r, tf.shape(y)) * y)
+            out[name] = (y, tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        return out
 
     if mode == "function":
         out = tf.function(lambda: strategy.run(replica_fn))()
     else:
         out = strategy.run(replica_fn)
-    y, g = (strategy.experimental_local_results(v)[0] for v in out)
-    return y.numpy(), g.numpy()
+    return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0].numpy(), out)
 
 
 def sparse_check(mode):
@@ -214,14 +218,14 @@ def sparse_check(mode):
 
 
 def main():
-    rank = keras_comm.rank() if N == 1 else None
+    r = strategy.cluster_resolver.task_id
+    wanted = {name: simulate(ref_fn, zeros)[r] for name, (_, ref_fn, zeros, _) in CASES.items()}
     errors = {}
     for mode in ("function", "eager"):
-        for name, (op_fn, ref_fn, zeros, rule) in CASES.items():
-            y, g = distributed(op_fn, zeros, mode)
-            want = simulate(ref_fn, zeros)
-            r = strategy.cluster_resolver.task_id if rank is None else rank
-            y_ref, g_ref = want[r]
+        got = distributed(mode)
+        for name, (_, _, _, rule) in CASES.items():
+            y, g = got[name]
+            y_ref, g_ref = wanted[name]
             if rule == "local":
                 g_ref = weights(r, y_ref.shape).numpy()
             elif isinstance(rule, tuple):
