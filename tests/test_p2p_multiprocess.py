@@ -14,3 +14,8 @@ def test_p2p_family_across_processes(n):
         assert len(r["errors"]) == 20  # 10 cases x (function, eager)
         bad = {k: v for k, v in r["errors"].items() if not v <= 1e-9}
         assert not bad, f"rank {rank}: {bad}"
+    # The layer's timeout reaches the collective: rank 1 waits for a send that
+    # never comes and fails after ~1 s instead of the 300 s default.
+    assert result.results[1]["timeout_error"] == "DeadlineExceededError"
+    assert result.results[1]["timeout_seconds"] < 60
+    assert result.results[0]["timeout_error"] is None

@@ -285,6 +285,20 @@ def main():
             err = float(max(np.max(np.abs(y - want[0]), initial=0.0),
                             np.max(np.abs(g - want[1]), initial=0.0))) if ok_shape else float("inf")
             result["errors"][f"{name}/{mode}"] = err
+    # Last, because a timed-out collective aborts this process's collective
+    # executor: a receive whose sender never sends fails after `timeout`.
+    import time
+
+    def orphan_receive():
+        return ops.receive(tf.ones([1]), 0, tag=77, dest=1, timeout=1.0)
+
+    start = time.time()
+    try:
+        tf.function(lambda: strategy.run(orphan_receive))()
+        result["timeout_error"] = None
+    except tf.errors.DeadlineExceededError:
+        result["timeout_error"] = "DeadlineExceededError"
+    result["timeout_seconds"] = time.time() - start
     write_result(result)
 
 
