@@ -68,6 +68,7 @@ SUPPORTED_KERAS = ((3, 10), (3, 16))
 _METHODS = ("_maybe_symbolic_build", "_make_function", "train_step")
 _ORIGINALS_ATTR = "_keras_comm_compat_originals"
 
+
 def _keras_version():
     parts = keras.version().split(".")
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
@@ -144,12 +145,13 @@ def _original(name):
     return getattr(_trainer_module(), _ORIGINALS_ATTR)[name]
 
 
-def _is_mwms(strategy):
+def _is_mwms(strategy, min_replicas=2):
     # Covers the multi-worker form and the in-process form built from several
     # local devices; MirroredStrategy and TPUStrategy keep stock behaviour.
+    # With a single replica the step code has nothing to combine.
     return (
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and strategy.num_replicas_in_sync > 1
+        and strategy.num_replicas_in_sync >= min_replicas
     )
 
 
@@ -172,9 +174,10 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     symbolic build only needs shapes and dtypes, which the distributed
     dataset's `element_spec` gives without consuming or communicating data.
     """
-    # As upstream: without a strategy scope, building is deferred to tracing.
-    if self._distribute_strategy is None:
-        return
+    # A single-replica MWMS hands out PerReplica batches too, so it needs
+    # this as much as a cluster does.
+    if not _is_mwms(self._distribute_strategy, min_replicas=1):
+        return _original("_maybe_symbolic_build")(self, iterator, data_batch)
     if iterator is not None and data_batch is None:
         element_spec = iterator._get_iterator().element_spec
         data_batch = tf.nest.map_structure(

@@ -34,21 +34,86 @@ from keras_comm import compat
 WEIGHT_RTOL = 1e-4
 METRIC_RTOL = 1e-5
 
-# sha256 of `inspect.getsource` of the Keras code compat replaces or whose
-# behaviour it mirrors, per Keras version whose code compat was checked
-# against. A mismatch means upstream changed that code: read the new version,
+# sha256 of `inspect.getsource` of the Keras code compat replaces (the
+# TensorFlowTrainer methods) or relies on (the rest: the build reads only
+# .shape/.dtype of the batch; metric logs mirror get_metrics_result and its key
+# test; predict's cross-worker concat; the loss reduction `_unknown_if_empty`
+# works around), per Keras version compat was checked against (3.10.0, 3.11.3
+# and 3.12.4 ran the in-process flows; later versions share their replaced
+# code). A mismatch means upstream changed that code: read the new version,
 # port the change into keras_comm/compat.py (or drop the patch if upstream
 # fixed the bug), then record the new hashes here.
 _UPSTREAM_SHA256 = {
-    "3.15.1": {
-        # Replaced.
+    "3.10.0": {
+        "TensorFlowTrainer._maybe_symbolic_build": "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81",
+        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
+        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
+        "Trainer._symbolic_build": "330210b83242a6af0c29890c4d2ca75bba8187399727dc3eb70c37643a1b45ec",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.11.3": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
+        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.12.4": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        # Relied on: the build reads only .shape/.dtype of the batch; metric
-        # logs mirror get_metrics_result and its key test; predict's
-        # cross-worker concat; the loss reduction `_unknown_if_empty` works
-        # around.
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.13.2": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.14.1": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
+        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.15.0": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
+        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    },
+    "3.15.1": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
         "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
         "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
         "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
@@ -209,12 +274,12 @@ def reference():
 
 
 @pytest.mark.inprocess
-def test_fit_evaluate_predict_exact_with_four_local_replicas(reference):
+def test_fit_evaluate_predict_exact_with_local_replicas(reference):
     # 25 samples in batches of 6: the last global batch has one sample, so
-    # three of the four replicas get an empty shard.
-    strategy = make_strategy(4)
+    # one replica gets an empty shard.
+    strategy = make_strategy(2)
     got = flows.tuple_dataset_flow(strategy.scope)
-    _assert_flow_matches(reference["tuple_dataset"], got, "4 local replicas")
+    _assert_flow_matches(reference["tuple_dataset"], got, "2 local replicas")
 
 
 # --- Multi-process ------------------------------------------------------------

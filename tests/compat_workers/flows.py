@@ -104,7 +104,9 @@ def tuple_dataset_flow(scope):
     )
     with scope():
         model = _tuple_model()
-    history = model.fit(train, validation_data=val, epochs=EPOCHS, verbose=0)
+    history = model.fit(
+        train, validation_data=val, epochs=EPOCHS, shuffle=False, verbose=0
+    )
     evaluated = model.evaluate(val, verbose=0, return_dict=True)
     predicted = model.predict(
         tf.data.Dataset.from_tensor_slices(a).batch(BATCH_SIZE), verbose=0
@@ -159,7 +161,9 @@ def generator_flow(scope):
             weighted_metrics=["mse"],
             steps_per_execution=2,
         )
-    history = model.fit(batches(), steps_per_epoch=steps, epochs=EPOCHS, verbose=0)
+    history = model.fit(
+        batches(), steps_per_epoch=steps, epochs=EPOCHS, shuffle=False, verbose=0
+    )
     evaluated = model.evaluate(batches(), steps=steps, verbose=0, return_dict=True)
     predicted = model.predict(a, batch_size=BATCH_SIZE, verbose=0)
     return _result(model, history, evaluated, predicted)
