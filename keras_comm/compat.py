@@ -120,6 +120,7 @@ def apply():
     setattr(module, _ORIGINALS_ATTR, {name: cls.__dict__[name] for name in _METHODS})
     for name in _METHODS:
         setattr(cls, name, replacements[name])
+    _apply_gradient_hook()
     return True
 
 
@@ -139,6 +140,7 @@ def revert():
     for name in _METHODS:
         setattr(cls, name, originals[name])
     delattr(module, _ORIGINALS_ATTR)
+    _revert_gradient_hook()
 
 
 def _original(name):
@@ -436,3 +438,52 @@ def _train_step(self, data):
         warnings.warn("The model does not have any trainable weights.")
 
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+# --- 5. Per-variable gradient reduction (sharded weights) -------------------
+#
+# `TFOptimizer._all_reduce_sum_gradients` sums every gradient over all
+# replicas. A per-replica (sharded) weight from `keras_comm.parallel` must be
+# reduced only over the replicas holding the same shard, so a variable may
+# carry `_keras_comm_reduce_gradient(grad) -> grad`, called in replica context
+# instead of the world all-reduce. Variables without it are reduced exactly as
+# upstream (one batched all-reduce). Covered by tests/test_parallel_sharded.py.
+
+_GRADIENT_HOOK_ATTR = "_keras_comm_reduce_gradient"
+_OPTIMIZER_ORIGINAL_ATTR = "_keras_comm_compat_all_reduce_sum_gradients"
+
+
+def _optimizer_class():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def _all_reduce_sum_gradients(self, grads_and_vars):
+    """Replaces `TFOptimizer._all_reduce_sum_gradients` (see section 5)."""
+    original = getattr(_optimizer_class(), _OPTIMIZER_ORIGINAL_ATTR)
+    grads_and_vars = list(grads_and_vars)
+    hooks = [getattr(v, _GRADIENT_HOOK_ATTR, None) for _, v in grads_and_vars]
+    if tf.distribute.get_replica_context() is None or not any(hooks):
+        return original(self, grads_and_vars)
+    plain = [gv for gv, h in zip(grads_and_vars, hooks) if h is None]
+    reduced = iter(original(self, plain) if plain else [])
+    return [
+        (h(g), v) if h is not None else next(reduced)
+        for (g, v), h in zip(grads_and_vars, hooks)
+    ]
+
+
+def _apply_gradient_hook():
+    cls = _optimizer_class()
+    if not hasattr(cls, _OPTIMIZER_ORIGINAL_ATTR):
+        setattr(cls, _OPTIMIZER_ORIGINAL_ATTR, cls.__dict__["_all_reduce_sum_gradients"])
+        cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+
+def _revert_gradient_hook():
+    cls = _optimizer_class()
+    original = cls.__dict__.get(_OPTIMIZER_ORIGINAL_ATTR)
+    if original is not None:
+        cls._all_reduce_sum_gradients = original
+        delattr(cls, _OPTIMIZER_ORIGINAL_ATTR)
