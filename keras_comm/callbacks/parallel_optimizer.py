@@ -72,6 +72,12 @@ class ParallelOptimizer(keras.callbacks.Callback):
     itself communicates (keras_comm comm layers) produce gradients that this
     callback then sums over replicas exactly as plain data parallelism would.
 
+    Checkpoints (not done yet): `model.save_weights` / `BackupAndRestore`
+    save the model's (full, identical) weights and the user's optimizer
+    iterations and loss scale, but not the sharded slots, which live in this
+    callback's per-model state; a restore in a new process restarts the
+    slots from zero.
+
     Args:
         accumulation_steps: micro-batches per optimizer step, an int >= 1.
         zero_stage: 0, 1 or 2 (or a `ZeroStage`).
