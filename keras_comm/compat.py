@@ -47,6 +47,12 @@ Scope and limits:
   `"mean_with_sample_weight"` losses are combined by sample counts.
 - Only `MultiWorkerMirroredStrategy` (also its in-process form with several
   local devices) is changed; other strategies run stock Keras code paths.
+- Per-output loss metrics of multi-output models ("<output>_loss") are
+  averaged by Keras per step, not per sample (their update uses the static
+  batch size, unknown when traced), single-process too; under MWMS they are
+  averaged per replica-step, so they can differ on a partial final batch.
+- `run_eagerly=True` is not covered: an empty shard keeps its static size 0
+  there.
 - NumPy inputs are shuffled by Keras on each worker; unless every worker sets
   the same seed (`keras.utils.set_random_seed`) or passes `shuffle=False`, the
   workers' permutations differ and a global batch is not a slice of one
