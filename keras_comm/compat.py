@@ -29,6 +29,11 @@ tensorflow/tensorflow#72388), and where it runs it is not exact:
    all-reduce), which is exactly 1 for equal shards and makes the final
    partial batch exact too.
 
+4. `TFOptimizer._all_reduce_sum_gradients` is wrapped so that a variable may
+   carry its own gradient reduction (sharded weights of `keras_comm.parallel`
+   reduce over their data-parallel group, not the world); other variables are
+   reduced exactly as upstream.
+
 `predict` is left to Keras: under MultiWorkerMirroredStrategy every worker
 passes the same (global) input, the input is sharded across workers, and
 `predict` all-gathers the outputs in input order, so each worker returns the
@@ -195,7 +200,7 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
-# --- 2./3. Step functions with exact, identical logs on every worker ---------
+# --- 2. Step functions with exact, identical logs on every worker ---------
 
 
 def _make_function(self, step_function):
@@ -369,7 +374,7 @@ def _reduce_step_outputs(model, strategy, outputs):
     )
 
 
-# --- 4. Exact loss and gradient over the global batch -------------------------
+# --- 3. Exact loss and gradient over the global batch -------------------------
 
 
 def _global_batch_weight(local_batch_size, dtype):
@@ -446,7 +451,7 @@ def _train_step(self, data):
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-# --- 5. Per-variable gradient reduction (sharded weights) -------------------
+# --- 4. Per-variable gradient reduction (sharded weights) -------------------
 #
 # `TFOptimizer._all_reduce_sum_gradients` sums every gradient over all
 # replicas. A per-replica (sharded) weight from `keras_comm.parallel` must be
@@ -466,7 +471,7 @@ def _optimizer_class():
 
 
 def _all_reduce_sum_gradients(self, grads_and_vars):
-    """Replaces `TFOptimizer._all_reduce_sum_gradients` (see section 5)."""
+    """Replaces `TFOptimizer._all_reduce_sum_gradients` (see section 4)."""
     original = getattr(_optimizer_class(), _OPTIMIZER_ORIGINAL_ATTR)
     grads_and_vars = list(grads_and_vars)
     hooks = [getattr(v, _GRADIENT_HOOK_ATTR, None) for _, v in grads_and_vars]

@@ -35,7 +35,8 @@ WEIGHT_RTOL = 1e-4
 METRIC_RTOL = 1e-5
 
 # sha256 of `inspect.getsource` of the Keras code compat replaces (the
-# TensorFlowTrainer methods) or relies on (the rest: the build reads only
+# TensorFlowTrainer methods), wraps (TFOptimizer._all_reduce_sum_gradients,
+# whose (grad, var) list contract section 5 relies on) or relies on (the rest: the build reads only
 # .shape/.dtype of the batch; metric logs mirror get_metrics_result and its key
 # test; predict's cross-worker concat; the loss reduction `_unknown_if_empty`
 # works around), per Keras version compat was checked against (3.10.0, 3.11.3
@@ -45,6 +46,7 @@ METRIC_RTOL = 1e-5
 # fixed the bug), then record the new hashes here.
 _UPSTREAM_SHA256 = {
     "3.10.0": {
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
         "TensorFlowTrainer._maybe_symbolic_build": "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81",
         "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
         "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
@@ -56,6 +58,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.11.3": {
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
         "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
@@ -67,6 +70,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.12.4": {
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -78,6 +82,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.13.2": {
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -89,6 +94,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.14.1": {
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -100,6 +106,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.15.0": {
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -111,6 +118,7 @@ _UPSTREAM_SHA256 = {
         "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     },
     "3.15.1": {
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -126,13 +134,19 @@ _UPSTREAM_SHA256 = {
 
 def _upstream_functions():
     from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.losses import loss as loss_module
     from keras.src.trainers import trainer as base_trainer
 
     originals = getattr(tf_trainer, compat._ORIGINALS_ATTR, None) or {
         name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in compat._METHODS
     }
+    optimizer_cls = TFOptimizer
     return {
+        "TFOptimizer._all_reduce_sum_gradients": optimizer_cls.__dict__.get(
+            compat._OPTIMIZER_ORIGINAL_ATTR,
+            optimizer_cls.__dict__["_all_reduce_sum_gradients"],
+        ),
         "TensorFlowTrainer._maybe_symbolic_build": originals["_maybe_symbolic_build"],
         "TensorFlowTrainer._make_function": originals["_make_function"],
         "TensorFlowTrainer.train_step": originals["train_step"],
@@ -180,9 +194,12 @@ def test_installed_keras_is_supported_and_patched():
 
 
 def _current_methods():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    return {name: TensorFlowTrainer.__dict__[name] for name in compat._METHODS}
+    methods = {name: TensorFlowTrainer.__dict__[name] for name in compat._METHODS}
+    methods["_all_reduce_sum_gradients"] = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
+    return methods
 
 
 def test_apply_is_idempotent_and_revert_restores_upstream():
@@ -199,6 +216,10 @@ def test_apply_is_idempotent_and_revert_restores_upstream():
         reverted = _current_methods()
         assert reverted["train_step"] is upstream["TensorFlowTrainer.train_step"]
         assert reverted["_make_function"] is upstream["TensorFlowTrainer._make_function"]
+        assert (
+            reverted["_all_reduce_sum_gradients"]
+            is upstream["TFOptimizer._all_reduce_sum_gradients"]
+        )
     finally:
         compat.apply()
     assert _current_methods() == patched
