@@ -13,6 +13,7 @@ from keras_comm.topology import world_size
 
 from keras_comm import compat as _compat; _compat.apply()  # noqa: E702  Keras 3 x MWMS fix: see compat.py
 from keras_comm import callbacks  # noqa: E402  (after compat: uses its fixed trainer)
+from keras_comm import parallel  # noqa: E402  (after compat: its optimizer hook)
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "Group",
     "callbacks",
     "get_timeout",
+    "parallel",
     "rank",
     "set_timeout",
     "world_size",

@@ -1,0 +1,38 @@
+"""Model parallelism for `model.fit`: per-replica (sharded) weights, meshes,
+tensor-parallel dense and embedding layers, mixture of experts, pipelines.
+
+See `keras_comm.parallel.sharded` for how sharded weights stay per replica
+under `tf.distribute.MultiWorkerMirroredStrategy`.
+"""
+
+from keras_comm.parallel.dense import ColumnParallelDense
+from keras_comm.parallel.dense import RowParallelDense
+from keras_comm.parallel.embedding import ParallelEmbedding
+from keras_comm.parallel.mesh import Mesh
+from keras_comm.parallel.sharded import ShardSpec
+from keras_comm.parallel.sharded import add_sharded_weight
+from keras_comm.parallel.sharded import assign_local_shards
+from keras_comm.parallel.sharded import full_weights
+from keras_comm.parallel.sharded import gather_full
+from keras_comm.parallel.sharded import is_sharded
+from keras_comm.parallel.sharded import local_shards
+from keras_comm.parallel.sharded import set_full_weights
+from keras_comm.parallel.sharded import shard_nbytes
+from keras_comm.parallel.sharded import shard_spec
+
+__all__ = [
+    "ColumnParallelDense",
+    "Mesh",
+    "ParallelEmbedding",
+    "RowParallelDense",
+    "ShardSpec",
+    "add_sharded_weight",
+    "assign_local_shards",
+    "full_weights",
+    "gather_full",
+    "is_sharded",
+    "local_shards",
+    "set_full_weights",
+    "shard_nbytes",
+    "shard_spec",
+]

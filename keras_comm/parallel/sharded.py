@@ -1,0 +1,308 @@
+"""Per-replica (sharded) weights: one slice of a full weight on each replica.
+
+Under `tf.distribute.MultiWorkerMirroredStrategy` every Keras weight is a
+MirroredVariable: one component per replica, initialised from worker 0, its
+gradient summed over all replicas before the optimizer applies it. A sharded
+weight keeps that variable type (so Keras, the optimizer and checkpoints
+handle it as usual) and changes three things:
+
+* **Value.** Each component holds its own shard: slice ``k`` of the full
+  weight along `shard_axis`, where ``k`` is the replica's coordinate on the
+  mesh axis the weight is split over. Shards are written right after the
+  variable is created, component by component (MWMS broadcasts worker 0's
+  initial value at creation, even for ON_READ variables: DESIGN §2). The
+  full weight is ``initializer(full_shape, seed)``; every replica computes it
+  from the seed alone and keeps its slice, so the gathered weight equals an
+  unsplit layer's weight with the same seeded initializer. (The full value
+  exists transiently on the host at build; the variable holds 1/N.)
+* **Gradient.** The variable carries a gradient reduction,
+  ``_keras_comm_reduce_gradient``, which `keras_comm.compat` calls instead of
+  the optimizer's world all-reduce: a SUM over the weight's *data-parallel
+  group* (the replicas holding the same shard; nothing when there are none).
+  The optimizer then applies each replica's own gradient to its own
+  component (`strategy.extended.update` updates components one by one), so
+  the optimizer's slots (momentum, Adam moments) are per-shard too.
+* **Export.** `gather_full` (in replica context) and `full_weights` /
+  `set_full_weights` (host side) convert between shards and full tensors.
+
+Saving: `model.save_weights` / `model.save` write each worker's own
+component (its shard), so with one replica per worker each worker saves and
+restores its shard to a path of its own. With several replicas in one
+process use `local_shards` / `assign_local_shards`, or `full_weights`.
+"""
+
+import dataclasses
+import zlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_comm import ops
+from keras_comm import topology
+from keras_comm.parallel import _common
+from keras_comm.parallel import mesh as mesh_lib
+
+#: Attribute (on the tf.Variable) that keras_comm.compat's optimizer hook reads.
+REDUCE_GRADIENT_ATTR = "_keras_comm_reduce_gradient"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How a weight is split.
+
+    Attributes:
+        full_shape: shape of the whole weight.
+        shard_axis: the weight axis that is split.
+        mesh: the `Mesh`, or None for a 1-D mesh over the whole world.
+        mesh_axis: the mesh axis whose groups hold the different shards.
+        num_shards: the size of that mesh axis when the weight was created.
+    """
+
+    full_shape: tuple
+    shard_axis: int
+    mesh: object
+    mesh_axis: str
+    num_shards: int
+
+    @property
+    def shard_shape(self):
+        shape = list(self.full_shape)
+        shape[self.shard_axis] //= self.num_shards
+        return tuple(shape)
+
+    def runtime_mesh(self):
+        return mesh_lib.runtime_mesh(self.mesh, self.mesh_axis)
+
+    def shard_index(self, rank):
+        m = self.runtime_mesh()
+        return m.coordinates(rank)[m.axes.index(self.mesh_axis)]
+
+    def model_group(self, rank=None):
+        """The replicas holding the different shards (the calling one's)."""
+        return self.runtime_mesh().group(self.mesh_axis, rank)
+
+    def data_group(self, rank=None):
+        """The replicas holding the same shard as `rank` (default: caller)."""
+        return self.runtime_mesh().other_axes_group(self.mesh_axis, rank)
+
+    def slice(self, full, index):
+        """Shard `index` of the numpy array `full`."""
+        size = self.shard_shape[self.shard_axis]
+        sl = [slice(None)] * len(self.full_shape)
+        sl[self.shard_axis] = slice(index * size, (index + 1) * size)
+        return full[tuple(sl)]
+
+
+_specs = {}
+
+
+def _tf_variable(variable):
+    return variable._value if isinstance(variable, keras.Variable) else variable
+
+
+def shard_spec(variable):
+    """The `ShardSpec` of `variable`, or None if it is not sharded."""
+    return _specs.get(id(_tf_variable(variable)))
+
+
+def is_sharded(variable):
+    return shard_spec(variable) is not None
+
+
+def _components(variable):
+    v = _tf_variable(variable)
+    return list(v.values) if hasattr(v, "values") else [v]
+
+
+def _local_ranks(num_components, strategy=None):
+    """Global ranks of this process's replicas, in component order."""
+    strategy = strategy or tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync == 1:
+        return [0]
+    task = getattr(strategy.extended, "_task_id", None) or 0
+    return [task * num_components + i for i in range(num_components)]
+
+
+def _seeded(initializer, seed):
+    init = keras.initializers.get(initializer)
+    config = init.get_config()
+    if "seed" in config:
+        config["seed"] = int(seed)
+        init = init.__class__.from_config(config)
+    return init
+
+
+def add_sharded_weight(
+    layer,
+    name,
+    full_shape,
+    shard_axis,
+    mesh,
+    mesh_axis,
+    initializer,
+    seed=None,
+    dtype=None,
+    trainable=True,
+):
+    """Adds to `layer` a weight of which each replica holds one shard.
+
+    Args:
+        layer: the Keras layer that owns the weight (call from `build`).
+        name: weight name.
+        full_shape: the whole weight's shape.
+        shard_axis: the axis split across the `mesh_axis` groups.
+        mesh: a `Mesh` or None (a 1-D mesh over the whole world).
+        mesh_axis: the mesh axis name.
+        initializer: a Keras initializer (identifier, config or instance).
+        seed: int; the full weight is ``initializer(full_shape)`` with this
+            seed, identical on every worker. None derives one from the
+            weight's path (deterministic across workers).
+        dtype: variable dtype (default: the layer's variable dtype).
+        trainable: whether the optimizer trains it.
+
+    Returns:
+        The Keras variable (shard-shaped).
+
+    Raises:
+        ValueError: if ``full_shape[shard_axis]`` is not divisible by the
+            number of shards.
+    """
+    full_shape = tuple(int(d) for d in full_shape)
+    m = mesh_lib.runtime_mesh(mesh, mesh_axis)
+    n = m.axis_size(mesh_axis)
+    if full_shape[shard_axis] % n:
+        raise ValueError(
+            f"Layer {layer.name!r}: weight {name!r} of shape {full_shape} is "
+            f"split along axis {shard_axis} into {n} shards (the {mesh_axis!r} "
+            f"group size), so that dimension must be divisible by {n}. "
+            f"Received: {name}.shape[{shard_axis}]={full_shape[shard_axis]}"
+        )
+    spec = ShardSpec(full_shape, shard_axis, mesh, mesh_axis, n)
+    variable = layer.add_weight(
+        name=name,
+        shape=spec.shard_shape,
+        initializer="zeros",
+        dtype=dtype,
+        trainable=trainable,
+    )
+    tf_var = _tf_variable(variable)
+    _specs[id(tf_var)] = spec
+    setattr(tf_var, REDUCE_GRADIENT_ATTR, lambda g: _reduce_gradient(spec, g, layer.name))
+    if seed is None:
+        seed = zlib.crc32(variable.path.encode()) % (2**31)
+    full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
+    assign_full(variable, np.asarray(keras.ops.convert_to_numpy(full)))
+    return variable
+
+
+def _reduce_gradient(spec, grad, name):
+    """Replica context: SUM over the data-parallel group only."""
+    group = spec.data_group()
+    if group.size == 1 or grad is None:
+        return grad
+    return ops.all_reduce(grad, group=group, name=f"{name}_shard_grad")
+
+
+def local_shards(variable):
+    """``{global rank: numpy shard}`` for this process's replicas."""
+    comps = _components(variable)
+    ranks = _local_ranks(len(comps), _strategy_of([variable]))
+    return {r: c.numpy() for r, c in zip(ranks, comps)}
+
+
+def assign_local_shards(variable, shards):
+    """Writes ``{global rank: value}`` into this process's components."""
+    comps = _components(variable)
+    with tf.init_scope():
+        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps):
+            if r in shards:
+                c.assign(tf.cast(shards[r], c.dtype))
+
+
+def assign_full(variable, full):
+    """Assigns a full value: each local replica takes its own slice.
+
+    Works for plain (mirrored) variables too: every component gets `full`.
+    Call outside `strategy.run` (host side).
+    """
+    spec = shard_spec(variable)
+    full = np.asarray(full)
+    comps = _components(variable)
+    strategy = _strategy_of([variable])
+    with tf.init_scope(), strategy.scope():
+        for r, c in zip(_local_ranks(len(comps), strategy), comps):
+            value = full if spec is None else spec.slice(full, spec.shard_index(r))
+            c.assign(tf.cast(value, c.dtype))
+
+
+def gather_full(variable, name=None):
+    """In replica context: the full value of a sharded weight (differentiable).
+
+    Forward: all-gather of the shards over the weight's model group, along
+    its shard axis. Backward: this replica's slice of the summed gradient.
+    A plain weight is returned as its value.
+    """
+    spec = shard_spec(variable)
+    value = tf.convert_to_tensor(_tf_variable(variable))
+    if spec is None:
+        return value
+    return _common.gather_along(value, spec.shard_axis, spec.model_group(), name)
+
+
+def _strategy_of(weights):
+    for w in weights:
+        strategy = getattr(_tf_variable(w), "_distribute_strategy", None)
+        if strategy is not None:
+            return strategy
+    return tf.distribute.get_strategy()
+
+
+def full_weights(model_or_layer):
+    """Host side: every weight of a model/layer as a full numpy array.
+
+    Sharded weights are gathered (one `strategy.run`); plain weights are read.
+    The order is that of ``model.weights``, the order an unsplit model with
+    the same layers would use.
+    """
+    weights = list(model_or_layer.weights)
+    strategy = _strategy_of(weights)
+    if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
+        return [np.asarray(w.numpy()) for w in weights]
+
+    def replica_fn():
+        return [
+            gather_full(w, name="full_weights") if is_sharded(w) else tf.identity(_tf_variable(w))
+            for w in weights
+        ]
+
+    with strategy.scope():
+        out = tf.function(lambda: strategy.run(replica_fn))()
+    return [np.asarray(strategy.experimental_local_results(o)[0]) for o in out]
+
+
+def set_full_weights(model_or_layer, values):
+    """Host side: assigns full values (e.g. an unsplit model's `get_weights()`)."""
+    weights = list(model_or_layer.weights)
+    if len(weights) != len(values):
+        raise ValueError(
+            f"`values` must hold one array per weight ({len(weights)}). "
+            f"Received: len(values)={len(values)}"
+        )
+    for w, v in zip(weights, values):
+        spec = shard_spec(w)
+        if spec is not None and tuple(np.shape(v)) != spec.full_shape:
+            raise ValueError(
+                f"Weight {w.path!r} has full shape {spec.full_shape}. "
+                f"Received: value of shape {np.shape(v)}"
+            )
+        assign_full(w, v)
+
+
+def shard_nbytes(variable):
+    """Bytes each local replica holds for `variable`: ``{rank: bytes}``."""
+    comps = _components(variable)
+    return {
+        r: int(np.prod(c.shape)) * c.dtype.size
+        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps)
+    }
