@@ -1,0 +1,125 @@
+"""Pieces every example shares: flags, the digits data, the final report.
+
+Not part of keras_comm: a helper for the scripts in this directory. Nothing
+here imports TensorFlow at module level, so `--help` answers instantly.
+"""
+
+import argparse
+import json
+import os
+
+
+def parser(doc, epochs, batch_size, learning_rate):
+    """An argument parser with the flags every example takes.
+
+    Args:
+        doc: the example's module docstring (its first paragraph is the
+            description shown by --help).
+        epochs, batch_size, learning_rate: the example's defaults.
+    """
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--epochs", type=int, default=epochs, help="training epochs")
+    p.add_argument(
+        "--batch-size", type=int, default=batch_size,
+        help="GLOBAL batch size (every replica works on its part of it)",
+    )
+    p.add_argument("--learning-rate", type=float, default=learning_rate, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data split and the initial weights")
+    p.add_argument("--no-reference", action="store_true", help="skip the single-process reference run")
+    p.add_argument("--results", default=None, help="write the final metrics as JSON to this file (chief only)")
+    return p
+
+
+def parse(p, argv=None, positive=("epochs", "batch_size")):
+    """Parses `argv`; every flag named in `positive` must be >= 1."""
+    args = p.parse_args(argv)
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    return args
+
+
+def quiet_tensorflow():
+    """Silences TensorFlow's C++ start-up chatter unless the user set the level."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def load_digits(seed, images=False):
+    """scikit-learn's digits (shipped inside the package, no download).
+
+    1,797 8x8 grey images of handwritten digits, scaled to [0, 1] and split
+    80/20 (stratified, fixed seed).
+
+    Args:
+        seed: seed of the split.
+        images: return images (N, 8, 8, 1) instead of flat vectors (N, 64).
+
+    Returns:
+        x_train, x_test, y_train, y_test (float32 inputs, int32 labels).
+    """
+    import numpy as np
+    from sklearn.datasets import load_digits as sk_load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = sk_load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    if images:
+        x = x.reshape(-1, 8, 8, 1)
+    return train_test_split(x, y.astype(np.int32), test_size=0.2, random_state=seed, stratify=y)
+
+
+def global_batches(x, y, batch_size):
+    """A tf.data pipeline of global batches that `fit` splits over the replicas.
+
+    Every worker reads the same global batches and keeps its share of each
+    (auto-shard policy DATA), so N workers see exactly the batches one
+    process would.
+    """
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+def chief_rank(strategy):
+    """This worker's task index (0 is the chief, which prints)."""
+    return strategy.cluster_resolver.task_id or 0
+
+
+def max_rel_diff(weights_a, weights_b):
+    """Largest |a - b| / max|b| over pairs of weight arrays."""
+    import numpy as np
+
+    return max(
+        float(np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-12))
+        for a, b in zip(weights_a, weights_b)
+    )
+
+
+def report(args, metric, results, chief=True):
+    """Prints the final line (chief only) and writes `--results` as JSON.
+
+    Args:
+        args: parsed flags (uses `args.results`).
+        metric: name of the metric in `results` (e.g. "accuracy"); the
+            single-process value is read from ``"single_process_" + metric``.
+        results: dict with at least "replicas" and `metric`.
+        chief: only the chief prints and writes.
+    """
+    if not chief:
+        return
+    line = f"test {metric}, {results['replicas']} workers: {results[metric]:.4f}"
+    reference = results.get("single_process_" + metric)
+    if reference is not None:
+        line += f" | single process: {reference:.4f}"
+    if "max_weight_rel_diff" in results:
+        line += f" | max relative weight difference: {results['max_weight_rel_diff']:.2e}"
+    print(line, flush=True)
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump(results, f)
