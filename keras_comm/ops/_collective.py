@@ -173,40 +173,42 @@ def resolve(group=None, timeout=None, name=None):
 
 
 
-def all_reduce(x, call, op="sum"):
-    """Elementwise reduction of `x` over the group; every member gets it."""
+def _ordered(call, kind, launch, **attrs):
+    """Issues one token-ordered collective on the caller's device.
+
+    `launch` is a TF collective taking (group_size, group_key, instance_key,
+    communication_hint, timeout, ordering_token, name) by keyword.
+    """
     key, instance = call._keys()
     token = _ordering_token(call.device)
     with tf.device(call.device):
-        return collective_ops.all_reduce_v2(
-            x,
-            call.size,
-            key,
-            instance,
-            merge_op=_MERGE_OPS[op],
-            final_op="Id",
+        return launch(
+            group_size=call.size,
+            group_key=key,
+            instance_key=instance,
             communication_hint=_hint(),
             timeout=_timeout(call.timeout),
             ordering_token=token.handle,
-            name=_op_name(call.name, "all_reduce"),
+            name=_op_name(call.name, kind),
+            **attrs,
         )
+
+
+def all_reduce(x, call, op="sum"):
+    """Elementwise reduction of `x` over the group; every member gets it."""
+    return _ordered(
+        call,
+        "all_reduce",
+        collective_ops.all_reduce_v2,
+        t=x,
+        merge_op=_MERGE_OPS[op],
+        final_op="Id",
+    )
 
 
 def all_gather(x, call):
     """Concatenates every member's `x` (same shape everywhere) on axis 0."""
-    key, instance = call._keys()
-    token = _ordering_token(call.device)
-    with tf.device(call.device):
-        return collective_ops.all_gather_v2(
-            x,
-            call.size,
-            key,
-            instance,
-            communication_hint=_hint(),
-            timeout=_timeout(call.timeout),
-            ordering_token=token.handle,
-            name=_op_name(call.name, "all_gather"),
-        )
+    return _ordered(call, "all_gather", collective_ops.all_gather_v2, t=x)
 
 
 def all_to_all(x, call):
@@ -214,24 +216,30 @@ def all_to_all(x, call):
 
     `x` must have leading dimension equal to the group size.
     """
-    key, instance = call._keys()
-    token = _ordering_token(call.device)
-    with tf.device(call.device):
-        return collective_ops.all_to_all_v2(
-            x,
-            call.size,
-            key,
-            instance,
-            communication_hint=_hint(),
-            timeout=_timeout(call.timeout),
-            ordering_token=token.handle,
-            name=_op_name(call.name, "all_to_all"),
-        )
+    return _ordered(call, "all_to_all", collective_ops.all_to_all_v2, t=x)
 
 
 def has_native_reduce_scatter(device):
     """TF has a reduce-scatter kernel only for NCCL (GPU) collectives."""
     return "GPU" in device.upper() and _hint() in ("auto", "nccl")
+
+
+def _native_reduce_scatter(
+    t, group_size, group_key, instance_key, communication_hint, timeout, ordering_token, name
+):
+    # TF exports no Python wrapper for the V2 reduce-scatter op.
+    return gen_collective_ops.collective_reduce_scatter_v2(
+        t,
+        group_size=group_size,
+        group_key=group_key,
+        instance_key=instance_key,
+        ordering_token=[ordering_token],
+        merge_op="Add",
+        final_op="Id",
+        communication_hint=communication_hint,
+        timeout_seconds=timeout,
+        name=name,
+    )
 
 
 def reduce_scatter(x, call):
@@ -242,23 +250,9 @@ def reduce_scatter(x, call):
     member sends and receives (n-1)/n of `x`, the same bytes as a ring
     reduce-scatter and half an all-reduce's.
     """
-    n = call.size
     if has_native_reduce_scatter(call.device):
-        key, instance = call._keys()
-        token = _ordering_token(call.device)
-        with tf.device(call.device):
-            return gen_collective_ops.collective_reduce_scatter_v2(
-                x,
-                group_size=n,
-                group_key=key,
-                instance_key=instance,
-                ordering_token=[token.handle],
-                merge_op="Add",
-                final_op="Id",
-                communication_hint=_hint(),
-                timeout_seconds=_timeout(call.timeout),
-                name=_op_name(call.name, "reduce_scatter"),
-            )
+        return _ordered(call, "reduce_scatter", _native_reduce_scatter, t=x)
+    n = call.size
     shape = tf.shape(x)
     chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
     received = all_to_all(chunks, call)
