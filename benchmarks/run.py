@@ -1,0 +1,357 @@
+"""One command for every benchmark: `python -m benchmarks.run --workers 2 --out results/`.
+
+Starts real worker processes with `keras_comm.launch.run` (one job per
+worker count; each job runs every family that needs that many workers, so
+the things compared are measured side by side in the same processes) and an
+MPI job through mpiexec before and after them. Writes to ``--out``:
+
+* ``benchmarks.json`` -- machine info, parameters, every summary figure;
+* ``benchmarks.md``   -- the tables (and the plots, embedded);
+* ``*.png``           -- plots for the docs' performance page;
+* ``raw/``            -- per-rank timings; ``run.log`` -- all worker output.
+
+Modes: default (full: 1/4/16/64 MB, >= 10 timed iterations, training on
+1/2/4 workers), ``--quick`` (under 5 minutes: 2 workers, 1 and 16 MB),
+``--smoke`` (structure only, for the test suite). ``--docs`` copies the
+table and plots into docs/performance/.
+
+The driver itself never imports TensorFlow: the launcher is loaded from its
+file (it uses only the standard library), as tests/_cluster.py does.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from benchmarks import _stats
+from benchmarks import collectives
+from benchmarks import mpi
+from benchmarks import report
+from benchmarks import training
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+LAUNCH_PY = REPO_DIR / "keras_comm" / "launch.py"
+DOCS_DIR = REPO_DIR / "docs" / "performance"
+
+MODES = {
+    "full": {
+        "sizes_mb": [1, 4, 16, 64], "iters": 12, "warmup": 2, "workers": [2, 4],
+        "training_workers": [1, 2, 4], "models": ["mlp", "cnn"],
+        "scaling_steps": 20, "scaling_rounds": 3,
+        "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2], [4, 2]], "po_steps": 24, "po_rounds": 3,
+    },
+    "quick": {
+        "sizes_mb": [1, 16], "iters": 10, "warmup": 1, "workers": [2],
+        "training_workers": [1, 2], "models": ["mlp", "cnn"],
+        "scaling_steps": 10, "scaling_rounds": 2,
+        "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2]], "po_steps": 12, "po_rounds": 2,
+    },
+    "smoke": {
+        "sizes_mb": [0.25], "iters": 3, "warmup": 1, "workers": [2],
+        "training_workers": [2], "models": ["mlp"],
+        "scaling_steps": 4, "scaling_rounds": 1,
+        "po_configs": [[1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
+    },
+}
+PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
+PO_PER_REPLICA_BATCH = 64
+
+
+def _load_launch():
+    spec = importlib.util.spec_from_file_location("_keras_comm_launch", LAUNCH_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info():
+    info = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {
+            name: _version(name)
+            for name in ("keras-comm", "tensorflow", "keras", "numpy", "mpi4py", "mpich", "matplotlib")
+        },
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gb"] = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "-C", str(REPO_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip() or None
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+class _Tee:
+    """Text stream: everything to the log, benchmark progress lines to the console."""
+
+    def __init__(self, log, console, markers=("] [collectives", "] [scaling", "] [parallel_optimizer")):
+        self.log = log
+        self.console = console
+        self.markers = markers
+
+    def write(self, text):
+        self.log.write(text)
+        if self.console is not None and any(m in text for m in self.markers):
+            self.console.write(text)
+
+    def flush(self):
+        self.log.flush()
+        if self.console is not None:
+            self.console.flush()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--workers", type=int, nargs="+", default=None,
+                        help="worker counts for the collective benchmarks (default: mode's, full: 2 4)")
+    parser.add_argument("--training-workers", type=int, nargs="+", default=None,
+                        help="worker counts for the model.fit scaling runs (default: mode's, full: 1 2 4)")
+    parser.add_argument("--out", default="results", help="output directory")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="under 5 minutes: 2 workers, fewer sizes")
+    mode.add_argument("--smoke", action="store_true", help="tiny run that checks the plumbing")
+    parser.add_argument("--sizes", type=float, nargs="+", default=None, help="sizes in MB (2^20 bytes)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (>= 10 for reports)")
+    parser.add_argument("--ops", nargs="+", default=list(_stats.OPS), choices=_stats.OPS)
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPI reference")
+    parser.add_argument("--no-training", action="store_true", help="skip the training benchmarks")
+    parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
+    parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md and the plots into docs/performance/")
+    parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
+    parser.add_argument("--quiet", action="store_true", help="no progress on the console")
+    args = parser.parse_args(argv)
+    args.mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    params = dict(MODES[args.mode])
+    if args.workers:
+        params["workers"] = args.workers
+    if args.training_workers:
+        params["training_workers"] = args.training_workers
+    if args.sizes:
+        params["sizes_mb"] = args.sizes
+    if args.iters:
+        params["iters"] = args.iters
+    for n in params["workers"] + params["training_workers"]:
+        if n < 1:
+            parser.error(f"worker counts must be >= 1. Received: {n}")
+    if any(n < 2 for n in params["workers"]):
+        parser.error(f"--workers must be >= 2 (collectives need peers). Received: {params['workers']}")
+    args.params = params
+    return args
+
+
+def _job_spec(args, n):
+    p = args.params
+    spec = {}
+    if not args.no_collectives and n in p["workers"]:
+        spec["collectives"] = {
+            "ops": args.ops, "sizes_mb": p["sizes_mb"], "iters": p["iters"], "warmup": p["warmup"],
+        }
+    if not args.no_training and n in p["training_workers"]:
+        spec["scaling"] = {
+            "models": p["models"],
+            "per_replica_batch": {m: PER_REPLICA_BATCH[m] for m in p["models"]},
+            "steps": p["scaling_steps"], "rounds": p["scaling_rounds"],
+        }
+    if not args.no_training and n == p["workers"][0]:
+        spec["parallel_optimizer"] = {
+            "configs": p["po_configs"], "per_replica_batch": PO_PER_REPLICA_BATCH,
+            "steps": p["po_steps"], "rounds": p["po_rounds"],
+        }
+    return spec
+
+
+def _read_ranks(raw_dir, tag, n):
+    ranks = []
+    for rank in range(n):
+        path = raw_dir / f"{tag}.rank{rank}.json"
+        if not path.exists():
+            return None
+        ranks.append(json.loads(path.read_text()))
+    return ranks
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    p = args.params
+    out = Path(args.out)
+    raw_dir = out / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    for stale in raw_dir.glob("*.json"):
+        stale.unlink()
+    launch = _load_launch()
+    console = None if args.quiet else sys.stdout
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")])),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONWARNINGS": "ignore",
+    }
+    full_env = {**os.environ, **env}
+    started = time.perf_counter()
+    results = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "mode": args.mode,
+        "parameters": p,
+        "machine": machine_info(),
+        "notes": [],
+    }
+    results["machine"]["loadavg_before"] = _loadavg()
+
+    def say(message):
+        if console is not None:
+            print(message, flush=True)
+
+    with open(out / "run.log", "w") as log_file:
+        tee = _Tee(log_file, console)
+        # MPI before the TensorFlow jobs ...
+        mpi_runs = {n: [] for n in p["workers"]}
+        mpi_ok, mpi_why = mpi.available()
+        run_mpi = not args.no_mpi and not args.no_collectives and mpi_ok
+
+        def mpi_bracket(label):
+            for n in p["workers"]:
+                say(f"[mpi n={n}] {label}")
+                log_file.flush()
+                res = mpi.run(n, args.ops, p["sizes_mb"], max(p["iters"], 10), p["warmup"],
+                              raw_dir / f"mpi_n{n}_{label}.json", full_env, 600, log_file)
+                res["when"] = label
+                mpi_runs[n].append(res)
+
+        if run_mpi:
+            mpi_bracket("before")
+
+        # ... one TensorFlow job per worker count ...
+        job_results = {}
+        for n in sorted(set(p["workers"]) | set(p["training_workers"])):
+            spec = _job_spec(args, n)
+            if not spec:
+                continue
+            spec_path = raw_dir / f"spec_n{n}.json"
+            spec_path.write_text(json.dumps(spec))
+            say(f"[job n={n}] {', '.join(spec)}")
+            job_start = time.perf_counter()
+            code = launch.run(
+                ["-m", "benchmarks.worker", "--spec", str(spec_path), "--out-dir", str(raw_dir), "--tag", f"n{n}"],
+                n, timeout=args.job_timeout, env=env, stdout=tee, stderr=tee,
+            )
+            ranks = _read_ranks(raw_dir, f"n{n}", n)
+            job_results[n] = {"code": code, "ranks": ranks, "spec": spec,
+                              "seconds": time.perf_counter() - job_start}
+            if code != 0 or ranks is None:
+                say(f"[job n={n}] failed with exit code {code}; see {out / 'run.log'}")
+
+        # ... and MPI again after them.
+        if run_mpi:
+            mpi_bracket("after")
+
+    results["machine"]["loadavg_after"] = _loadavg()
+    if args.no_mpi:
+        results["mpi_note"] = "skipped (--no-mpi)."
+    elif not mpi_ok:
+        results["mpi_note"] = f"skipped: {mpi_why}."
+    else:
+        results["mpi_note"] = (
+            "mpi4py + MPICH (PyPI), own mpiexec job; median of the runs before and after the TF jobs."
+        )
+    results["mpi"] = {str(n): {"runs": runs} for n, runs in mpi_runs.items() if runs}
+    results["jobs"] = {str(n): {"exit_code": j["code"], "seconds": j["seconds"], "families": list(j["spec"])}
+                       for n, j in job_results.items()}
+
+    # Collectives.
+    coll = {}
+    for n in p["workers"]:
+        job = job_results.get(n)
+        if job is None or "collectives" not in job["spec"]:
+            continue
+        if job["ranks"] is None:
+            coll[str(n)] = {"error": f"worker job exited {job['code']}"}
+            continue
+        coll[str(n)] = collectives.summarize([r["collectives"] for r in job["ranks"]], n)
+    if coll:
+        results["collectives"] = coll
+        results["reduce_scatter"] = collectives.reduce_scatter_comparison(
+            {int(n): v for n, v in coll.items() if "error" not in v}
+        )
+
+    # Training.
+    if not args.no_training:
+        tr = {}
+        scaling = {}
+        errors = []
+        for n in p["training_workers"]:
+            job = job_results.get(n)
+            if job is None or job["ranks"] is None:
+                errors.append(f"{n} workers: job exited {job and job['code']}")
+                continue
+            scaling[n] = [r["scaling"] for r in job["ranks"]]
+        tr["scaling"] = training.summarize_scaling(scaling) if scaling else {"error": "; ".join(errors)}
+        if errors:
+            tr["scaling_errors"] = errors
+        n0 = p["workers"][0]
+        job = job_results.get(n0)
+        tr["parallel_optimizer_workers"] = n0
+        if job is None or job["ranks"] is None:
+            tr["parallel_optimizer"] = {"error": f"job exited {job and job['code']}"}
+        else:
+            tr["parallel_optimizer"] = training.summarize_parallel_optimizer(
+                [r["parallel_optimizer"] for r in job["ranks"]]
+            )
+        results["training"] = tr
+
+    results["seconds"] = time.perf_counter() - started
+    # The numbers first, so a plotting failure cannot lose them.
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1, default=str))
+    results["plots"] = report.write_plots(results, out)
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1, default=str))
+    report.write_markdown(results, out / "benchmarks.md")
+    if args.docs:
+        DOCS_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "benchmarks.md", DOCS_DIR / "benchmarks.md")
+        for plot in results["plots"]:
+            shutil.copy(plot, DOCS_DIR / Path(plot).name)
+    say(f"wrote {out / 'benchmarks.json'}, {out / 'benchmarks.md'} and {len(results['plots'])} plots "
+        f"in {results['seconds']:.0f} s")
+    failed = [n for n, j in job_results.items() if j["code"] != 0 or j["ranks"] is None]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The benchmark suite runs end to end and writes what the docs embed.
+
+`python -m benchmarks.run --smoke` starts real worker processes (2 TF
+workers, plus an MPI job when mpi4py is installed) with tiny sizes; the test
+checks the output's structure only. Speed is never asserted.
+
+Also unit tests of the pure helpers in `benchmarks._stats`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_DIR))
+
+from benchmarks import _stats  # noqa: E402
+
+OPS = set(_stats.OPS)
+VARIANTS = {"layer_fwd", "raw_fwd", "layer_fwd_bwd", "raw_fwd_bwd"}
+
+
+@pytest.mark.parametrize(
+    "op,n,factor",
+    [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_gather", 4, 0.75),
+     ("reduce_scatter", 2, 0.5), ("all_to_all", 4, 0.75), ("broadcast", 4, 1.0)],
+)
+def test_bus_factors_are_nccl_tests(op, n, factor):
+    assert _stats.bus_factor(op, n) == factor
+
+
+def test_shapes_use_nccl_tests_sizes():
+    # all-gather: S is the output; reduce-scatter: S is the input.
+    assert _stats.shapes("all_gather", 1, 4) == ((256, 256), (1024, 256), 1 << 20)
+    assert _stats.shapes("reduce_scatter", 1, 4) == ((1024, 256), (256, 256), 1 << 20)
+    assert _stats.shapes("all_reduce", 1, 2) == ((1024, 256), (1024, 256), 1 << 20)
+    assert _stats.rows_for(0.001, 4) == 4  # rounded up to a multiple of n
+
+
+def test_per_iteration_max_and_paired_ratio():
+    assert _stats.per_iteration_max([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
+    assert _stats.paired_ratio([2, 3, 4], [1, 3, 4]) == 1.0
+    assert _stats.bytes_sent_per_rank("all_reduce", 1024, 4) == 1536
+    assert _stats.bytes_sent_per_rank("all_to_all", 1024, 4) == 768
+
+
+@pytest.mark.multiprocess
+def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "results"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--quiet", "--out", str(out)],
+        cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=170,
+    )
+    log = (out / "run.log").read_text()[-4000:] if (out / "run.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n--- run.log ---\n{log}"
+
+    results = json.loads((out / "benchmarks.json").read_text())
+    for key in ("machine", "parameters", "collectives", "reduce_scatter", "training", "plots", "mode"):
+        assert key in results, key
+    assert results["mode"] == "smoke"
+    assert results["machine"]["cpu_count"] >= 1
+    assert results["machine"]["versions"]["tensorflow"]
+
+    coll = results["collectives"]["2"]
+    assert set(coll) == OPS
+    for op, by_size in coll.items():
+        for row in by_size.values():
+            assert VARIANTS <= set(row["variants"])
+            assert {"ratio_fwd", "ratio_fwd_bwd"} <= set(row)
+            fwd = row["variants"]["layer_fwd"]
+            assert {"median_s", "algbw_GBps", "busbw_GBps", "iters"} <= set(fwd)
+            assert fwd["median_s"] > 0
+    assert results["reduce_scatter"][0]["ours_bytes_sent_per_rank"] > 0
+
+    if "2" in results.get("mpi", {}):
+        runs = results["mpi"]["2"]["runs"]
+        assert [r["when"] for r in runs] == ["before", "after"]
+        assert all(set(r.get("ops", {})) == OPS for r in runs if "skipped" not in r)
+
+    training = results["training"]
+    assert training["scaling"][0]["samples_per_s"] > 0
+    po = training["parallel_optimizer"]
+    if "skipped" not in po:
+        configs = [r["config"] for r in po["rows"]]
+        assert configs == results["parameters"]["po_configs"]
+        for row in po["rows"]:
+            assert row["state_bytes"] > 0 and row["time_per_sample_us"] > 0
+
+    markdown = (out / "benchmarks.md").read_text()
+    assert "| op | MB |" in markdown
+    assert "## 2. Layer overhead" in markdown and "## 4. Training" in markdown
+    assert results["plots"]
+    for plot in results["plots"]:
+        path = Path(plot)
+        assert path.suffix == ".png" and path.stat().st_size > 0
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({path.name})" in markdown
