@@ -74,6 +74,7 @@ def markdown(results):
         f"{m['platform']}; Python {m['python']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
         + f". Load average before/after: {m.get('loadavg_before')} / {m.get('loadavg_after')}."
+        + f" keras_comm source: {results.get('source', {}).get('keras_comm', '?')}."
     )
     out.append("")
     out.append("## What limits each figure")
@@ -182,8 +183,10 @@ def markdown(results):
     if po:
         out.append(f"### ParallelOptimizer (MLP, {tr.get('parallel_optimizer_workers')} workers)")
         out.append("")
-        if "skipped" in po or "error" in po:
-            out.append(f"Skipped: {po.get('skipped') or po.get('error')}")
+        if "skipped" in po:
+            out.append(f"Skipped: {po['skipped']}")
+        elif "error" in po:
+            out.append(f"Failed: {po['error']}")
         else:
             rows = []
             for r in po["rows"]:

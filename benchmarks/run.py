@@ -157,6 +157,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md and the plots into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
+    parser.add_argument("--ref", default=None, metavar="REV",
+                        help="benchmark keras_comm as committed at git REV (e.g. HEAD), extracted "
+                             "with `git archive` into OUT/src, instead of the working tree (which "
+                             "others may be editing while the run goes on)")
     parser.add_argument("--quiet", action="store_true", help="no progress on the console")
     args = parser.parse_args(argv)
     args.mode = "smoke" if args.smoke else "quick" if args.quick else "full"
@@ -209,6 +213,38 @@ def _read_ranks(raw_dir, tag, n):
     return ranks
 
 
+def _snapshot(ref, dest):
+    """Extracts keras_comm/ at git `ref` into `dest`; returns the full commit id."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO_DIR), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO_DIR), "archive", "--format=tar", commit, "keras_comm"],
+        capture_output=True, check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return commit
+
+
+def _family_error(job, family):
+    """Why `family`'s results from `job` are unusable, or None if they are fine."""
+    if job is None:
+        return "not run"
+    if job["ranks"] is None:
+        return f"worker job exited {job['code']} before writing results (see run.log)"
+    for rank, r in enumerate(job["ranks"]):
+        value = r.get(family)
+        if value is None:
+            return f"rank {rank} has no result (job exited {job['code']}; see run.log)"
+        if isinstance(value, dict) and "error" in value:
+            return f"rank {rank}: {value['error']}"
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     p = args.params
@@ -219,11 +255,19 @@ def main(argv=None):
         stale.unlink()
     launch = _load_launch()
     console = None if args.quiet else sys.stdout
+    source = {"keras_comm": "working tree", "path": str(REPO_DIR)}
+    path = [str(REPO_DIR)]
+    if args.ref:
+        snapshot = out / "src"
+        commit = _snapshot(args.ref, snapshot)
+        source = {"keras_comm": f"git {args.ref} = {commit}", "path": str(snapshot)}
     env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [*path, os.environ.get("PYTHONPATH")])),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONWARNINGS": "ignore",
     }
+    if args.ref:
+        env["KERAS_COMM_BENCH_SOURCE"] = source["path"]  # see benchmarks/worker.py
     full_env = {**os.environ, **env}
     started = time.perf_counter()
     results = {
@@ -231,6 +275,7 @@ def main(argv=None):
         "mode": args.mode,
         "parameters": p,
         "machine": machine_info(),
+        "source": source,
         "notes": [],
     }
     results["machine"]["loadavg_before"] = _loadavg()
@@ -301,8 +346,9 @@ def main(argv=None):
         job = job_results.get(n)
         if job is None or "collectives" not in job["spec"]:
             continue
-        if job["ranks"] is None:
-            coll[str(n)] = {"error": f"worker job exited {job['code']}"}
+        error = _family_error(job, "collectives")
+        if error:
+            coll[str(n)] = {"error": error}
             continue
         coll[str(n)] = collectives.summarize([r["collectives"] for r in job["ranks"]], n)
     if coll:
@@ -318,8 +364,9 @@ def main(argv=None):
         errors = []
         for n in p["training_workers"]:
             job = job_results.get(n)
-            if job is None or job["ranks"] is None:
-                errors.append(f"{n} workers: job exited {job and job['code']}")
+            error = _family_error(job, "scaling")
+            if error:
+                errors.append(f"{n} workers: {error}")
                 continue
             scaling[n] = [r["scaling"] for r in job["ranks"]]
         tr["scaling"] = training.summarize_scaling(scaling) if scaling else {"error": "; ".join(errors)}
@@ -328,8 +375,9 @@ def main(argv=None):
         n0 = p["workers"][0]
         job = job_results.get(n0)
         tr["parallel_optimizer_workers"] = n0
-        if job is None or job["ranks"] is None:
-            tr["parallel_optimizer"] = {"error": f"job exited {job and job['code']}"}
+        error = _family_error(job, "parallel_optimizer")
+        if error:
+            tr["parallel_optimizer"] = {"error": error}
         else:
             tr["parallel_optimizer"] = training.summarize_parallel_optimizer(
                 [r["parallel_optimizer"] for r in job["ranks"]]
