@@ -9,6 +9,8 @@ from keras_comm.parallel.dense import ColumnParallelDense
 from keras_comm.parallel.dense import RowParallelDense
 from keras_comm.parallel.embedding import ParallelEmbedding
 from keras_comm.parallel.mesh import Mesh
+from keras_comm.parallel.moe import MixtureOfExperts
+from keras_comm.parallel.pipeline import PipelineStage
 from keras_comm.parallel.sharded import ShardSpec
 from keras_comm.parallel.sharded import add_sharded_weight
 from keras_comm.parallel.sharded import assign_local_shards
@@ -23,7 +25,9 @@ from keras_comm.parallel.sharded import shard_spec
 __all__ = [
     "ColumnParallelDense",
     "Mesh",
+    "MixtureOfExperts",
     "ParallelEmbedding",
+    "PipelineStage",
     "RowParallelDense",
     "ShardSpec",
     "add_sharded_weight",
