@@ -71,7 +71,7 @@ def load_digits(seed, images=False):
     return train_test_split(x, y.astype(np.int32), test_size=0.2, random_state=seed, stratify=y)
 
 
-def global_batches(x, y, batch_size):
+def global_batches(x, y, batch_size, drop_remainder=False):
     """A tf.data pipeline of global batches that `fit` splits over the replicas.
 
     Every worker reads the same global batches and keeps its share of each
@@ -80,7 +80,7 @@ def global_batches(x, y, batch_size):
     """
     import tensorflow as tf
 
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=drop_remainder)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return ds.with_options(options)
