@@ -32,7 +32,12 @@ tensorflow/tensorflow#72388), and where it runs it is not exact:
 4. `TFOptimizer._all_reduce_sum_gradients` is wrapped so that a variable may
    carry its own gradient reduction (sharded weights of `keras_comm.parallel`
    reduce over their data-parallel group, not the world); other variables are
-   reduced exactly as upstream.
+   reduced exactly as upstream. `mark_gradient_reduced(v)` gives `v` the
+   identity reduction: for a weight whose gradient a comm layer (e.g.
+   `MirrorOperator`) already summed, so that no gradient is reduced twice.
+
+`train_step_gradients(model, data)` is the default step's per-replica
+gradients and logs without the update, for `keras_comm.callbacks`.
 
 `predict` is left to Keras: under MultiWorkerMirroredStrategy every worker
 passes the same (global) input, the input is sharded across workers, and
@@ -67,7 +72,14 @@ Scope and limits:
 import keras
 import tensorflow as tf
 
-__all__ = ["apply", "is_applied", "revert", "SUPPORTED_KERAS"]
+__all__ = [
+    "apply",
+    "is_applied",
+    "mark_gradient_reduced",
+    "revert",
+    "train_step_gradients",
+    "SUPPORTED_KERAS",
+]
 
 #: Keras versions whose trainer code this module was written against
 #: (lower bound inclusive, upper bound exclusive), as (major, minor).
@@ -397,9 +409,23 @@ def _global_batch_weight(local_batch_size, dtype):
     return tf.cast(weight, dtype)
 
 
-def _train_step(self, data):
-    """Replaces `TensorFlowTrainer.train_step`: upstream's step, plus the
-    global-batch loss weight before the gradient (see `_global_batch_weight`).
+def train_step_gradients(model, data):
+    """This replica's gradients and metric logs for one batch: the default
+    `train_step` without the update.
+
+    For code that applies gradients itself (`keras_comm.callbacks`): the loss
+    carries the global-batch weight (see `_global_batch_weight`) and the
+    optimizer's loss scale, so summing the returned gradients over replicas
+    gives what stock Keras would apply (before unscaling). Nothing is reduced
+    here.
+
+    Args:
+        model: a compiled Keras model (TensorFlow backend).
+        data: one batch as `fit` passes it to `train_step`.
+
+    Returns:
+        ``(grads, logs)``: one gradient (or None) per
+        `model.trainable_weights`, and `model.compute_metrics`'s logs.
     """
     # Imported here: private Keras modules, resolved once the version guard
     # has accepted this Keras.
@@ -411,11 +437,11 @@ def _train_step(self, data):
 
     # Forward pass
     with tf.GradientTape() as tape:
-        if self._call_has_training_arg:
-            y_pred = self(x, training=True)
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
         else:
-            y_pred = self(x)
-        loss = self._compute_loss(
+            y_pred = model(x)
+        loss = model._compute_loss(
             x=x,
             y=y,
             y_pred=y_pred,
@@ -425,30 +451,36 @@ def _train_step(self, data):
         batch_size = tf.shape(
             next(i for i in tree.flatten(x) if i is not None)
         )[0]
-        self._loss_tracker.update_state(
+        model._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss),
             sample_weight=batch_size,
         )
         weight = _global_batch_weight(batch_size, loss.dtype)
         if weight is not None:
             loss = loss * weight
-        if self.optimizer is not None:
-            loss = self.optimizer.scale_loss(loss)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
 
-    # Compute gradients
+    grads = []
+    if model.trainable_weights:
+        grads = tape.gradient(loss, model.trainable_weights)
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return grads, logs
+
+
+def _train_step(self, data):
+    """Replaces `TensorFlowTrainer.train_step`: upstream's step, plus the
+    global-batch loss weight before the gradient (see `_global_batch_weight`).
+    """
+    grads, logs = train_step_gradients(self, data)
     if self.trainable_weights:
-        trainable_weights = self.trainable_weights
-        gradients = tape.gradient(loss, trainable_weights)
-
-        # Update weights
-        self.optimizer.apply_gradients(zip(gradients, trainable_weights))
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
     else:
         import warnings
 
         # Upstream's warning, kept so behaviour matches stock Keras.
         warnings.warn("The model does not have any trainable weights.")
-
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return logs
 
 
 # --- 4. Per-variable gradient reduction (sharded weights) -------------------
@@ -462,6 +494,43 @@ def _train_step(self, data):
 
 _GRADIENT_HOOK_ATTR = "_keras_comm_reduce_gradient"
 _OPTIMIZER_ORIGINAL_ATTR = "_keras_comm_compat_all_reduce_sum_gradients"
+
+
+def mark_gradient_reduced(variable):
+    """Marks `variable` as having its gradient reduced inside the model.
+
+    The rule "every gradient is reduced exactly once": a comm layer whose
+    backward already sums a weight's gradient over the replicas (e.g. a
+    `MirrorOperator` on the weight's path, the reference's data-parallel
+    mirror) makes a second, world-wide sum by the optimizer (or by
+    `ParallelOptimizer`) count every replica's contribution N times. The
+    layer cannot tell which variable a tensor came from, so the model marks
+    the variable: its gradient then passes through unchanged, and the
+    optimizer updates it with what the layer produced.
+
+    Args:
+        variable: a Keras variable (or tf.Variable).
+
+    Returns:
+        `variable`, marked.
+    """
+    setattr(_tf_variable(variable), _GRADIENT_HOOK_ATTR, _already_reduced)
+    return variable
+
+
+def gradient_hook(variable):
+    """The reduction `variable` carries (see section 4), or None."""
+    return getattr(_tf_variable(variable), _GRADIENT_HOOK_ATTR, None)
+
+
+def _tf_variable(variable):
+    # The hook lives on the tf.Variable, which is what TFOptimizer passes to
+    # `_all_reduce_sum_gradients`.
+    return variable._value if isinstance(variable, keras.Variable) else variable
+
+
+def _already_reduced(grad):
+    return grad
 
 
 def _optimizer_class():
