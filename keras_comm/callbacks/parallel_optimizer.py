@@ -15,6 +15,31 @@ logger = logging.getLogger("keras_comm")
 # One engine (sharded state) per model, so that a second `fit` -- with the
 # same or a new callback -- continues from the same optimizer state.
 _ENGINES = weakref.WeakKeyDictionary()
+# The callback serving each model's running `fit`, for `prepare_checkpoint`.
+_ACTIVE = weakref.WeakKeyDictionary()
+
+
+def prepare_checkpoint(model):
+    """Makes `model`'s optimizer hold the full optimizer state, for a save.
+
+    For callbacks that save mid-epoch (`keras_comm.callbacks.BackupAndRestore`
+    with an integer `save_freq`). Every worker must call it at the same step:
+    it may all-gather the sharded slots into the optimizer's own slots.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        True when a save now captures the whole training state (always, unless
+        a `ParallelOptimizer` is serving `model.fit`); False while that
+        callback holds accumulated micro-batches not yet applied -- they live
+        only in per-replica buffers, so the caller should save at a later
+        step.
+    """
+    callback = _ACTIVE.get(model)
+    if callback is None:
+        return True
+    return callback._prepare_checkpoint()
 
 
 class ZeroStage(enum.IntEnum):
@@ -67,16 +92,28 @@ class ParallelOptimizer(keras.callbacks.Callback):
     the weights: the bytes of one all-reduce. zero_stage 2 also shards the
     accumulation buffer, so it reduce-scatters every micro-step.
 
-    Gradients are reduced here and only here: the model's own `train_step`
-    and `optimizer.apply_gradients` are not called. Layers whose backward
-    itself communicates (keras_comm comm layers) produce gradients that this
-    callback then sums over replicas exactly as plain data parallelism would.
+    Gradients are reduced here and only here, each exactly once: the model's
+    own `train_step` and `optimizer.apply_gradients` are not called, and a
+    variable that carries its own reduction (`keras_comm.compat`'s
+    ``_keras_comm_reduce_gradient`` hook: sharded weights of
+    `keras_comm.parallel`, or a weight marked with
+    `keras_comm.compat.mark_gradient_reduced` because a comm layer such as
+    `MirrorOperator` already reduced its gradient) is reduced by its hook
+    instead of the world-wide sum and updated unsharded. An unmarked weight
+    behind a `MirrorOperator` would be summed twice (N times too large).
 
-    Checkpoints (not done yet): `model.save_weights` / `BackupAndRestore`
-    save the model's (full, identical) weights and the user's optimizer
-    iterations and loss scale, but not the sharded slots, which live in this
-    callback's per-model state; a restore in a new process restarts the
-    slots from zero.
+    Checkpoints: the optimizer's own full-size slots, which Keras builds for
+    `fit` and this callback does not update, are the checkpoint container.
+    The sharded slots are all-gathered into them after each epoch's last
+    update, at the end of `fit`, and whenever `prepare_checkpoint` asks (the
+    keras_comm `BackupAndRestore` does before each save), so `save_weights`,
+    `ModelCheckpoint(save_freq="epoch")` and `BackupAndRestore` save the
+    whole state in standard Keras format. At the first step of every `fit`
+    each replica cuts its shard back out of them: a restored checkpoint
+    resumes with its optimizer state, also with a different number of
+    workers. (Skipping the full slots would save memory but leave nothing
+    standard to save.) A save made mid-epoch by another callback with an
+    integer `save_freq` sees the slots of the last epoch end.
 
     Args:
         accumulation_steps: micro-batches per optimizer step, an int >= 1.
@@ -141,6 +178,8 @@ class ParallelOptimizer(keras.callbacks.Callback):
         self._functions = None
         self._pending = 0
         self._step_in_epoch = 0
+        self._needs_reshard = False
+        self._synced = True
         self.counts = {"micro_steps": 0, "updates": 0}
 
     def get_config(self):
@@ -226,13 +265,16 @@ class ParallelOptimizer(keras.callbacks.Callback):
             raise ValueError(
                 "ParallelOptimizer does not support optimizer EMA. Received: use_ema=True"
             )
-        if self.zero_stage >= 1 and strategy.num_replicas_in_sync > 1:
+        from keras_comm import compat
+
+        hooked = any(compat.gradient_hook(v) is not None for v in model.trainable_variables)
+        if (self.zero_stage >= 1 or hooked) and strategy.num_replicas_in_sync > 1:
             for name in ("clipnorm", "global_clipnorm"):
                 if getattr(inner, name, None):
                     raise ValueError(
                         f"`{name}` needs whole gradients; with zero_stage >= 1 "
-                        "each replica holds a shard. Use clipvalue or "
-                        f"zero_stage=0. Received: {name}={getattr(inner, name)}"
+                        "(or sharded weights) each replica holds a shard. Use "
+                        f"clipvalue or zero_stage=0. Received: {name}={getattr(inner, name)}"
                     )
 
     # --- fit hooks --------------------------------------------------------
@@ -259,10 +301,21 @@ class ParallelOptimizer(keras.callbacks.Callback):
         flush = None
         if self.accumulation_steps > 1:
             flush = tf.function(lambda: strategy.run(engine.flush_step))
-        self._functions = {"micro": micro, "apply": apply, "flush": flush}
+        self._functions = {
+            "micro": micro,
+            "apply": apply,
+            "flush": flush,
+            "gather": tf.function(lambda: strategy.run(engine.gather_slots)),
+            "reshard": tf.function(lambda: strategy.run(engine.reshard_slots)),
+        }
         self._original_train_function = model.train_function
         model.train_function = self._train_function
         self._pending = 0
+        # Deferred to the first step: a restoring callback (BackupAndRestore)
+        # may load the optimizer's slots after this callback's train begin.
+        self._needs_reshard = True
+        self._synced = True
+        _ACTIVE[model] = self
         if getattr(strategy.extended, "should_checkpoint", True):
             parts = self.state_bytes(breakdown=True)
             full = self.unsharded_state_bytes()
@@ -279,7 +332,15 @@ class ParallelOptimizer(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._step_in_epoch = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # Keras's own step index: right also when a resumed fit skips the
+        # epoch's first steps without calling the train function.
+        self._step_in_epoch = batch
+
     def _train_function(self, iterator):
+        if self._needs_reshard:
+            self._functions["reshard"]()
+            self._needs_reshard = False
         steps = self.params.get("steps") if self.params else None
         if self._functions["micro"] is None or _sharding.is_apply_step(
             self._pending, self.accumulation_steps, self._step_in_epoch, steps
@@ -289,12 +350,14 @@ class ParallelOptimizer(keras.callbacks.Callback):
             )
             logs = self._functions["apply"](iterator)
             self._pending = 0
+            self._synced = False
             self.counts["updates"] += 1
+            if steps is not None and self._step_in_epoch + 1 >= steps:
+                self._gather()  # the epoch's last update
         else:
             logs = self._functions["micro"](iterator)
             self._pending += 1
         self.counts["micro_steps"] += 1
-        self._step_in_epoch += 1
         if self.dump_local_norm:
             logs = dict(logs)
             logs.update(self._engine.local_norms())
@@ -304,16 +367,32 @@ class ParallelOptimizer(keras.callbacks.Callback):
         # Only reached with pending micro-batches when the epoch length is
         # unknown (otherwise its last step applied them).
         self._flush()
+        self._gather()
 
     def _flush(self):
         if self._pending and self._functions and self._functions["flush"] is not None:
             self._engine.set_scale(_sharding.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
             self._pending = 0
+            self._synced = False
             self.counts["updates"] += 1
+
+    def _gather(self):
+        if not self._synced and self._functions is not None:
+            self._functions["gather"]()
+            self._synced = True
+
+    def _prepare_checkpoint(self):
+        if self._pending:
+            return False
+        self._gather()
+        return True
 
     def on_train_end(self, logs=None):
         self._flush()
+        self._gather()
         if self.model is not None and self._functions is not None:
             self.model.train_function = self._original_train_function
+        if self.model is not None and _ACTIVE.get(self.model) is self:
+            del _ACTIVE[self.model]
         self._functions = None
