@@ -1,6 +1,9 @@
-"""Callbacks for `model.fit`: gradient accumulation and optimizer-state sharding."""
+"""Callbacks for `model.fit`: gradient accumulation, optimizer-state sharding,
+and multi-worker backup and restore."""
 
+from keras_comm.callbacks.backup_and_restore import BackupAndRestore
 from keras_comm.callbacks.parallel_optimizer import ParallelOptimizer
 from keras_comm.callbacks.parallel_optimizer import ZeroStage
+from keras_comm.callbacks.parallel_optimizer import prepare_checkpoint
 
-__all__ = ["ParallelOptimizer", "ZeroStage"]
+__all__ = ["BackupAndRestore", "ParallelOptimizer", "ZeroStage", "prepare_checkpoint"]

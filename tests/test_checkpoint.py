@@ -1,0 +1,217 @@
+"""Checkpoints of sharded optimizer state, BackupAndRestore resume, and the
+"each gradient reduced once" rule for comm layers, in one process (2
+replicas on logical CPUs). The kill-and-relaunch check across real processes
+is tests/test_checkpoint_multiprocess.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_strategy
+
+
+from keras_comm import compat
+from keras_comm.callbacks import BackupAndRestore
+from keras_comm.callbacks import ParallelOptimizer
+from keras_comm.layers import MirrorOperator
+
+MICRO = 8
+RTOL = 1e-4
+
+
+def _data(n=48):
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(n, 5)).astype("float32"),
+        rng.normal(size=(n, 3)).astype("float32"),
+    )
+
+
+def _ds(x, y, batch=MICRO):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def _model(strategy=None):
+    keras.utils.set_random_seed(1)
+    scope = strategy.scope() if strategy is not None else _null()
+    with scope:
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _max_rel(a, b):
+    return max(
+        float(np.abs(np.asarray(u) - np.asarray(v)).max() / max(np.abs(np.asarray(v)).max(), 1e-12))
+        for u, v in zip(a, b)
+    )
+
+
+def test_sharded_slots_saved_and_resharded_for_another_world(tmp_path):
+    x, y = _data()
+    reference = _model()
+    reference.fit(_ds(x, y, 2 * MICRO), epochs=2, verbose=0)
+    first = _model()
+    first.fit(_ds(x, y, 2 * MICRO), epochs=1, verbose=0)
+
+    # Epoch 1 on 2 replicas with sharded Adam state: the optimizer's own
+    # slots hold the gathered state afterwards (standard Keras checkpoint).
+    model = _model(make_strategy(2))
+    model.fit(_ds(x, y), epochs=1, verbose=0,
+              callbacks=[ParallelOptimizer(accumulation_steps=2, zero_stage=1)])
+    assert _max_rel(model.optimizer.variables, first.optimizer.variables) <= RTOL
+    path = str(tmp_path / "state.weights.h5")
+    model.save_weights(path)
+
+    # Epoch 2 in a world of one, from the file: the 2-way shards are whole
+    # again. (Another in-process world size would clash with the 2-replica
+    # strategy's collective group; the real-cluster test covers 2 workers.)
+    resumed = _model()
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    resumed.fit(_ds(x, y), epochs=1, verbose=0,
+                callbacks=[ParallelOptimizer(accumulation_steps=2, zero_stage=2)])
+    assert _max_rel(resumed.get_weights(), reference.get_weights()) <= RTOL
+    assert _max_rel(resumed.optimizer.variables, reference.optimizer.variables) <= RTOL
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_step):
+        super().__init__()
+        self.at_step, self.epoch = at_step, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch * 6 + batch == self.at_step:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["plain", "zero1"])
+def test_backup_resumes_at_the_step(tmp_path, parallel):
+    # 6 steps per epoch, 2 epochs, a backup every 4 steps (with accumulation
+    # windows of 2 a backup only ever lands on a window's end), interrupted
+    # before global step 9: resumes from step 8 = epoch 1, step 2.
+    x, y = _data()
+    strategy = make_strategy(2)
+    extra = lambda: [ParallelOptimizer(accumulation_steps=2, zero_stage=1)] if parallel else []
+    reference = _model(strategy)
+    reference.fit(_ds(x, y), epochs=2, verbose=0, callbacks=extra())
+
+    backup_dir = str(tmp_path / "backup")
+    model = _model(strategy)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(_ds(x, y), epochs=2, verbose=0,
+                  callbacks=[_Interrupt(9), *extra(), BackupAndRestore(backup_dir, save_freq=4)])
+    model = _model(strategy)
+    backup = BackupAndRestore(backup_dir, save_freq=4)
+    trained = []
+    count = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: trained.append(batch) if logs else None
+    )
+    model.fit(_ds(x, y), epochs=2, verbose=0, callbacks=[count, *extra(), backup])
+    assert backup.restored == {"epoch": 1, "step": 2}
+    assert trained == [2, 3, 4, 5]
+    assert _max_rel(model.get_weights(), reference.get_weights()) <= 1e-6
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    assert not tf.io.gfile.exists(backup_dir)  # removed once fit completed
+
+
+def test_backup_keeps_the_previous_file_on_double_checkpoint(tmp_path):
+    x, y = _data()
+    backup_dir = tmp_path / "backup"
+    model = _model(make_strategy(2))
+    with pytest.raises(RuntimeError):
+        model.fit(_ds(x, y), epochs=2, verbose=0,
+                  callbacks=[_Interrupt(9), BackupAndRestore(str(backup_dir), save_freq=4,
+                                                             double_checkpoint=True)])
+    assert sorted(p.name for p in backup_dir.glob("ckpt-*")) == [
+        "ckpt-0-4.weights.h5", "ckpt-1-2.weights.h5"
+    ]
+    (backup_dir / "ckpt-1-2.weights.h5").write_bytes(b"torn")
+    backup = BackupAndRestore(str(backup_dir), save_freq=4, double_checkpoint=True)
+    _model(make_strategy(2)).fit(_ds(x, y), epochs=2, verbose=0, callbacks=[backup])
+    assert backup.restored == {"epoch": 0, "step": 4}
+
+
+@pytest.mark.parametrize("kwargs", [dict(save_freq=0), dict(save_freq=True)])
+def test_backup_invalid_save_freq(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="Received: save_freq="):
+        BackupAndRestore(str(tmp_path), **kwargs)
+
+
+# --- each gradient reduced exactly once ------------------------------------
+
+
+class _MirroredDense(keras.layers.Layer):
+    """A dense layer whose kernel goes through MirrorOperator (its gradient is
+    all-reduced by the layer's backward)."""
+
+    def __init__(self, units, mark, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.mark = units, mark
+        self.mirror = MirrorOperator(mean_flag=False)
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+        if self.mark:
+            compat.mark_gradient_reduced(self.kernel)
+
+    def call(self, x):
+        return x @ self.mirror(self.kernel) + self.bias
+
+
+def _mirrored_model(strategy, mark):
+    keras.utils.set_random_seed(2)
+    with strategy.scope() if strategy is not None else _null():
+        model = keras.Sequential([keras.Input((5,)), _MirroredDense(3, mark)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("mark,callback", [(True, None), (True, 0), (True, 1), (False, None)],
+                         ids=["marked-fit", "marked-zero0", "marked-zero1", "unmarked-fit"])
+def test_mirror_operator_gradient_reduced_once(mark, callback):
+    x, y = _data(32)
+    reference = _mirrored_model(None, mark)  # one replica: MirrorOperator is the identity
+    reference.fit(_ds(x, y), epochs=1, verbose=0)
+    model = _mirrored_model(make_strategy(2), mark)
+    callbacks = [] if callback is None else [ParallelOptimizer(zero_stage=callback)]
+    model.fit(_ds(x, y), epochs=1, verbose=0, callbacks=callbacks)
+    rel = _max_rel(model.get_weights(), reference.get_weights())
+    if mark:
+        assert rel <= RTOL
+    else:
+        # Reduced by the layer and again by the optimizer: twice the step.
+        assert rel > 1e-2
+
+
+def test_upstream_fit_loop_still_what_backup_relies_on():
+    # keras_comm's BackupAndRestore resumes through `model._initial_epoch` and
+    # skips steps by swapping `model.train_function` between the batch-begin
+    # and batch-end callbacks; both rely on this shape of the fit loop.
+    import inspect
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    source = inspect.getsource(TensorFlowTrainer.fit)
+    for line in (
+        "initial_epoch = self._initial_epoch or initial_epoch",
+        "callbacks.on_train_batch_begin(begin_step)",
+        "logs = self.train_function(iterator)",
+        "callbacks.on_train_batch_end(end_step, logs)",
+    ):
+        assert line in source, line

@@ -1,0 +1,142 @@
+"""Worker: BackupAndRestore across real processes, killed and resumed.
+
+Usage: checkpoint_worker.py STATE_DIR CONFIG [CONFIG ...], CONFIG in
+``plain`` (stock fit) and ``po1`` (ParallelOptimizer, accumulation 2,
+zero_stage 1). Configurations run in order; one already finished (its
+``STATE_DIR/done-<config>-rank<r>.json`` exists) is skipped. Each trains
+with `keras_comm.callbacks.BackupAndRestore(save_freq=SAVE_FREQ)`; on the
+first run of a configuration (no ``STATE_DIR/killed-<config>`` marker) rank 1
+SIGKILLs itself before global step KILL_STEP, after writing the marker and
+the kill time. A run that completes also trains the same model uninterrupted
+in this cluster and records the max relative weight difference.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from _cluster import write_result
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+
+import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+
+N = strategy.num_replicas_in_sync
+RANK = int(strategy.cluster_resolver.task_id)
+GLOBAL_BATCH = 2 * N
+STEPS = 12  # per epoch
+EPOCHS = 2
+SAVE_FREQ = 5  # saves after global steps 5, 10, 15 (po1: deferred to a window end)
+KILL_STEP = 18  # rank 1 dies before running it: epoch 1, step 6
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    n = GLOBAL_BATCH * STEPS
+    x = rng.normal(size=(n, 5)).astype("float32")
+    y = rng.normal(size=(n, 3)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+def build():
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    return model
+
+
+def extra_callbacks(config):
+    if config == "po1":
+        return [keras_comm.callbacks.ParallelOptimizer(accumulation_steps=2, zero_stage=1)]
+    return []
+
+
+class Steps(keras.callbacks.Callback):
+    """Counts the steps actually trained; kills rank 1 once (see module doc)."""
+
+    def __init__(self, marker=None):
+        super().__init__()
+        self.marker = marker
+        self.trained = 0
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self.epoch * STEPS + batch
+        if self.marker is not None and RANK == 1 and step == KILL_STEP:
+            self.marker.write_text(json.dumps({"time": time.time(), "step": step}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs:  # a skipped (restored) step returns no logs
+            self.trained += 1
+
+
+def run(config, state):
+    backup = keras_comm.callbacks.BackupAndRestore(
+        str(state / f"backup-{config}"), save_freq=SAVE_FREQ
+    )
+    marker = state / f"killed-{config}"
+    steps = Steps(None if marker.exists() else marker)
+    model = build()
+    start = time.time()
+    model.fit(dataset(), epochs=EPOCHS, verbose=0,
+              callbacks=[steps, *extra_callbacks(config), backup])
+    seconds = time.time() - start
+    resumed = [w.copy() for w in model.get_weights()]
+    optimizer_state = [np.asarray(v) for v in model.optimizer.variables]
+    reference = build()
+    ref_steps = Steps()
+    reference.fit(dataset(), epochs=EPOCHS, verbose=0,
+                  callbacks=[ref_steps, *extra_callbacks(config)])
+    rel = max(
+        float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+        for a, b in zip(resumed, reference.get_weights())
+    )
+    opt_rel = max(
+        float(np.abs(a - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-12))
+        for a, b in zip(optimizer_state, reference.optimizer.variables)
+    )
+    return {
+        "max_rel": rel,
+        "optimizer_max_rel": opt_rel,
+        "restored": backup.restored,
+        "trained_after_restore": steps.trained,
+        "trained_uninterrupted": ref_steps.trained,
+        "fit_seconds": seconds,
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "backup_dir_removed": not (state / f"backup-{config}").exists(),
+    }
+
+
+def main(state_dir, configs):
+    state = Path(state_dir)
+    results = {}
+    for config in configs:
+        done = state / f"done-{config}-rank{RANK}.json"
+        if done.exists():
+            results[config] = json.loads(done.read_text())
+            continue
+        results[config] = run(config, state)
+        done.write_text(json.dumps(results[config]))
+    write_result({"rank": RANK, "world": N, "results": results})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
