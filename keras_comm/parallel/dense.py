@@ -18,7 +18,7 @@ from keras_comm.parallel import sharded
 def _check_units(units, n, what):
     _common.check_positive_int(units, "units")
     if n is not None:
-        _common.check_divisible(units, n, "units", f"{what} model group")
+        _common.check_divisible(units, n, "units", f"{what!r} group")
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -206,7 +206,7 @@ class RowParallelDense(_common.ParallelLayer):
         if self.input_is_parallel:
             in_dim *= n
         else:
-            _common.check_divisible(in_dim, n, "input_dim", f"{self.axis} model group")
+            _common.check_divisible(in_dim, n, "input_dim", f"{self.axis!r} group")
         self.kernel = sharded.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),

@@ -48,14 +48,14 @@ class ParallelEmbedding(_common.ParallelLayer):
         _common.check_positive_int(output_dim, "output_dim")
         n = self.static_group_size()
         if n is not None:
-            _common.check_divisible(input_dim, n, "input_dim", f"{self.axis} model group")
+            _common.check_divisible(input_dim, n, "input_dim", f"{self.axis!r} group")
         self.input_dim = input_dim
         self.output_dim = output_dim
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
 
     def build(self, input_shape):
         n = self.group_size()
-        _common.check_divisible(self.input_dim, n, "input_dim", f"{self.axis} model group")
+        _common.check_divisible(self.input_dim, n, "input_dim", f"{self.axis!r} group")
         self.embeddings = sharded.add_sharded_weight(
             self, "embeddings", (self.input_dim, self.output_dim), 0, self.mesh,
             self.axis, self.embeddings_initializer, self.weight_seed(0),

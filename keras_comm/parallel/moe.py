@@ -130,7 +130,7 @@ class MixtureOfExperts(_common.ParallelLayer):
             )
         n = self.static_group_size()
         if n is not None:
-            _common.check_divisible(num_experts, n, "num_experts", f"{self.axis} expert group")
+            _common.check_divisible(num_experts, n, "num_experts", f"{self.axis!r} group")
         self.num_experts = num_experts
         self.units = units
         self.top_k = top_k
@@ -143,7 +143,7 @@ class MixtureOfExperts(_common.ParallelLayer):
 
     def build(self, input_shape):
         n = self.group_size()
-        _common.check_divisible(self.num_experts, n, "num_experts", f"{self.axis} expert group")
+        _common.check_divisible(self.num_experts, n, "num_experts", f"{self.axis!r} group")
         d = int(input_shape[-1])
         self.router = self.add_weight(
             name="router",

@@ -54,14 +54,14 @@ def tp_model(parallel, mesh=None):
     return keras.Sequential([keras.Input((SEQ,), dtype="int32")] + layers + [keras.layers.Dense(2)])
 
 
-def tp_data(n_samples=32):
+def tp_data(n_samples=16):
     rs = np.random.RandomState(0)
     x = rs.randint(0, VOCAB, size=(n_samples, SEQ)).astype("int32")
     y = rs.randn(n_samples, 2).astype("float32")
     return x, y
 
 
-def tp_fit(strategy, mesh=None, epochs=3):
+def tp_fit(strategy, mesh=None, epochs=2):
     """Trains the split and the unsplit model on the same data; compares."""
     x, y = tp_data()
     keras.utils.set_random_seed(0)
