@@ -1,8 +1,20 @@
 """Package-wide settings.
 
-Only one setting today: the collective timeout. Every keras_comm collective
-passes it to TensorFlow, so a peer that never arrives turns into a
-``tf.errors.DeadlineExceededError`` instead of a hang.
+* The collective timeout (`set_timeout`, default 300 s, always finite): every
+  keras_comm collective passes it to TensorFlow, so a peer that never arrives
+  turns into a ``tf.errors.DeadlineExceededError`` on every waiting rank
+  after at most that long, instead of a hang. TensorFlow's own collectives
+  (e.g. MWMS's gradient all-reduce in `model.fit`) take theirs from
+  ``tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)``.
+  After a timeout TensorFlow aborts every later collective of the process:
+  the job must restart.
+* Checked calls (`set_check_calls`, default off): before each collective the
+  members exchange a small fingerprint (op, dtype, shape) and raise an error
+  naming both sides when they differ. Off by default because it costs one
+  extra small all-gather per collective.
+
+Both are read when a collective is traced: set them the same way on every
+worker, before building the training function.
 """
 
 import math
@@ -59,3 +71,60 @@ def set_timeout(seconds):
     seconds = validate_timeout(seconds, "seconds")
     with _lock:
         _timeout_seconds = seconds
+
+
+_check_calls = False
+
+
+def get_check_calls():
+    """Whether collectives check that every member made the same call."""
+    return _check_calls
+
+
+def set_check_calls(enabled):
+    """Turns the cross-rank call check on or off (default off).
+
+    When on, each keras_comm collective first all-gathers a fingerprint of
+    the call (layer and collective, dtype, shape) over its group; if members
+    differ, every member raises ``tf.errors.InvalidArgumentError`` naming each
+    rank's call, instead of TensorFlow's partial checks (dtype mismatches and
+    two same-shaped collectives swapped go unnoticed there; a shape mismatch
+    raises on one rank while the others wait for the timeout). Point-to-point
+    send/receive are not checked. Set it the same on every worker, before
+    the training function is traced.
+
+    Args:
+        enabled: a bool.
+
+    Raises:
+        TypeError: if `enabled` is not a bool.
+    """
+    global _check_calls
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be a bool. Received: enabled={enabled!r}")
+    with _lock:
+        _check_calls = enabled
+
+
+def communication_options(**kwargs):
+    """`CommunicationOptions` for the strategy, with keras_comm's timeout.
+
+    keras_comm's timeout covers keras_comm's collectives only. TensorFlow's
+    own collectives under `model.fit` (MWMS's gradient and metric
+    all-reduces) wait forever unless the strategy has a timeout too:
+
+    ```python
+    keras_comm.set_timeout(120)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=keras_comm.communication_options())
+    ```
+
+    Args:
+        **kwargs: other `tf.distribute.experimental.CommunicationOptions`
+            arguments (`bytes_per_pack`, `implementation`); `timeout_seconds`
+            overrides `get_timeout()`.
+    """
+    import tensorflow as tf  # Here, not at import: config stays TF-free.
+
+    kwargs.setdefault("timeout_seconds", get_timeout())
+    return tf.distribute.experimental.CommunicationOptions(**kwargs)

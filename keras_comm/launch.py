@@ -202,6 +202,60 @@ def tf_config(addresses, rank):
     }
 
 
+def validate_tf_config(text):
+    """Parses a TF_CONFIG string and checks it; returns the dict.
+
+    Checks what tf.distribute otherwise reports late or obscurely: valid
+    JSON, a "cluster" mapping job names to non-empty lists of "host:port"
+    strings, and a "task" whose "type" is one of those jobs and whose int
+    "index" is inside that job's list.
+
+    Raises:
+        ValueError: naming the problem and ending with the received value.
+    """
+    shown = text if len(str(text)) <= 200 else str(text)[:200] + "..."
+    received = f"Received: TF_CONFIG={shown!r}"
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"TF_CONFIG must be a non-empty JSON string. {received}")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}). {received}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"TF_CONFIG must be a JSON object. {received}")
+    cluster = config.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError(
+            'TF_CONFIG needs "cluster": {"worker": ["host:port", ...]}. ' + received
+        )
+    for job, addresses in cluster.items():
+        if (
+            not isinstance(addresses, list)
+            or not addresses
+            or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses)
+        ):
+            raise ValueError(
+                f'TF_CONFIG "cluster"["{job}"] must be a non-empty list of '
+                f'"host:port" strings. {received}'
+            )
+    task = config.get("task")
+    if not isinstance(task, dict):
+        raise ValueError(
+            'TF_CONFIG needs "task": {"type": "worker", "index": i}. ' + received
+        )
+    job, index = task.get("type"), task.get("index")
+    if job not in cluster:
+        raise ValueError(
+            f'TF_CONFIG "task"["type"] must be one of {sorted(cluster)}. {received}'
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(cluster[job]):
+        raise ValueError(
+            f'TF_CONFIG "task"["index"] must be an int in 0..{len(cluster[job]) - 1} '
+            f'(the "{job}" list has {len(cluster[job])} entries). {received}'
+        )
+    return config
+
+
 def worker_env(base_env, addresses, rank):
     """A copy of `base_env` with the variables worker `rank` needs."""
     env = dict(base_env)

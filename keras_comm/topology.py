@@ -19,12 +19,15 @@ different devices. They must agree on every worker without any communication:
 """
 
 import dataclasses
+import os
 import threading
 import zlib
 
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.framework import ops as tf_ops
+
+from keras_comm import launch as _launch
 
 # tf.distribute allocates group keys from 1 upwards, one per device set; ours
 # live far above so the two can never collide.
@@ -180,6 +183,30 @@ def _strategy_and_context():
     strategy = tf.distribute.get_strategy()
     ctx = tf.distribute.get_replica_context()
     return strategy, ctx
+
+
+def validate_tf_config(text=None):
+    """Checks the TF_CONFIG that MultiWorkerMirroredStrategy will read.
+
+    Call it before creating the strategy to get a clear error for a
+    malformed TF_CONFIG (bad JSON, no "cluster" or "task", a task index out
+    of range) instead of TensorFlow's. `keras-comm-run` always sets a valid
+    one.
+
+    Args:
+        text: the TF_CONFIG string; None reads the environment variable.
+
+    Returns:
+        The parsed dict, or None if TF_CONFIG is unset or empty.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if text is None:
+        text = os.environ.get("TF_CONFIG", "")
+        if not text.strip():
+            return None
+    return _launch.validate_tf_config(text)
 
 
 def world_size():

@@ -21,7 +21,10 @@ points of the program (SPMD), members of the group or not.
 """
 
 import concurrent.futures
+import functools
+import sys
 import threading
+import zlib
 
 import tensorflow as tf
 from tensorflow.python.distribute import values as tf_values
@@ -30,6 +33,7 @@ from tensorflow.python.ops import gen_collective_ops
 from tensorflow.python.ops import resource_variable_ops
 
 from keras_comm import config
+from keras_comm import errors
 from keras_comm import topology
 
 _MERGE_OPS = {"sum": "Add", "prod": "Mul", "max": "Max", "min": "Min"}
@@ -111,13 +115,16 @@ class Call:
         name: a name for the op (the layer's name), shown in traces.
     """
 
-    __slots__ = ("replica", "group", "timeout", "name")
+    __slots__ = ("replica", "group", "timeout", "name", "symbolic")
 
-    def __init__(self, replica, group, timeout=None, name=None):
+    def __init__(self, replica, group, timeout=None, name=None, symbolic=False):
         self.replica = replica
         self.group = group
         self.timeout = timeout
         self.name = name
+        # Keras's symbolic build (shapes only, cross-replica): primitives
+        # return stand-ins of the right shape and dtype, nothing is sent.
+        self.symbolic = symbolic
 
     @property
     def device(self):
@@ -160,7 +167,11 @@ def resolve(group=None, timeout=None, name=None):
         RuntimeError: in cross-replica context of a multi-replica strategy.
     """
     what = f"keras_comm op {name!r}" if name else "keras_comm collectives"
-    replica = topology.current_replica(what)
+    symbolic = _in_keras_symbolic_build()
+    if symbolic:
+        replica = topology.Replica(0, tf.distribute.get_strategy().num_replicas_in_sync, "")
+    else:
+        replica = topology.current_replica(what)
     group = topology.as_group(group)
     if group is None:
         group = topology.Group(range(replica.world_size))
@@ -169,7 +180,92 @@ def resolve(group=None, timeout=None, name=None):
             group.check_world(replica.world_size)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-    return Call(replica, group, timeout, name)
+    return Call(replica, group, timeout, name, symbolic)
+
+
+def _in_keras_symbolic_build():
+    """True while Keras infers output specs (`model.fit`'s symbolic build).
+
+    Keras then calls layers on placeholders in cross-replica context, where
+    there is no "this replica" and nothing may be communicated.
+    """
+    scope = sys.modules.get("keras.src.backend.common.symbolic_scope")
+    return (
+        scope is not None
+        and scope.in_symbolic_scope()
+        and not tf.executing_eagerly()
+        and tf.distribute.has_strategy()
+        and tf.distribute.in_cross_replica_context()
+        and tf.distribute.get_strategy().num_replicas_in_sync > 1
+    )
+
+
+def _stand_in(kind, x, call):
+    """Shape-and-dtype stand-in for a collective's output (symbolic build)."""
+    if kind == "all_gather":
+        return tf.concat([x] * call.size, axis=0)
+    if kind == "reduce_scatter":
+        return x[: tf.shape(x)[0] // call.size]
+    return tf.identity(x)
+
+
+def _record(call, kind):
+    """Records the op name TF will report, for `keras_comm.errors`."""
+    info = errors.CollectiveInfo(
+        op_name=_op_name(call.name, kind),
+        layer=call.name,
+        kind=kind,
+        group=call.group.ranks,
+        timeout=_timeout(call.timeout),
+        rank=call.replica.rank,
+    )
+    errors.record(info)
+    return info
+
+
+def _compare_fingerprints(rows, index):
+    rows = rows.tolist()
+    mine = rows[index]
+    same = lambda r: r[:3] == mine[:3] and r[4:] == mine[4:]  # noqa: E731 (all but rank)
+    if all(same(r) for r in rows):
+        return b""
+    return errors.mismatch_message(rows, index).encode()
+
+
+def _check_call(x, call, kind, detail=""):
+    """Checked mode: all members verify they make the same call.
+
+    Gathers [op id, dtype, ndims, rank, dims...] from every member (one small
+    all-gather) and raises, on every member, an error naming each rank's
+    call if they differ. Returns the check's output, to order the real
+    collective after it.
+    """
+    text = f"layer {call.name} {kind}{detail}" if call.name else f"{kind}{detail}"
+    op_hash = zlib.crc32(text.encode())
+    errors.remember_fingerprint(op_hash, text)
+    size = errors.MAX_DIMS
+    with tf.device(call.device):
+        shape = tf.shape(x, out_type=tf.int64)[:size]
+        dims = tf.concat([shape, tf.fill([size - tf.size(shape)], tf.constant(-1, tf.int64))], 0)
+        head = tf.stack([
+            tf.constant(op_hash, tf.int64),
+            tf.constant(x.dtype.as_datatype_enum, tf.int64),
+            tf.cast(tf.rank(x), tf.int64),
+            tf.constant(call.replica.rank, tf.int64),
+        ])
+        fingerprint = tf.reshape(tf.concat([head, dims], 0), [1, errors.FINGERPRINT_SIZE])
+    rows = _ordered(call, "check", collective_ops.all_gather_v2, t=fingerprint)
+    with tf.device(call.device):
+        problem = tf.numpy_function(
+            functools.partial(_compare_fingerprints, index=call.index),
+            [rows],
+            tf.string,
+            stateful=True,
+        )
+        # An Assert, not an exception in Python: the message stays readable.
+        return tf.debugging.Assert(
+            tf.equal(problem, ""), [problem], name=_op_name(call.name, "check")
+        )
 
 
 
@@ -179,9 +275,17 @@ def _ordered(call, kind, launch, **attrs):
     `launch` is a TF collective taking (group_size, group_key, instance_key,
     communication_hint, timeout, ordering_token, name) by keyword.
     """
+    if call.symbolic:
+        return _stand_in(kind, attrs["t"], call)
+    info = _record(call, kind)
+    if kind != "check" and config.get_check_calls():
+        detail = f" {attrs['merge_op']}" if "merge_op" in attrs else ""
+        checked = _check_call(attrs["t"], call, kind, detail)
+        with tf.device(call.device), tf.control_dependencies([checked]):
+            attrs["t"] = tf.identity(attrs["t"])
     key, instance = call._keys()
     token = _ordering_token(call.device)
-    with tf.device(call.device):
+    with tf.device(call.device), errors._translating(info):
         return launch(
             group_size=call.size,
             group_key=key,
@@ -276,8 +380,13 @@ def broadcast(x, call, root_index):
 
     `x` gives the shape and dtype on receivers (its values are not used).
     """
-    if call.size == 1:
+    if call.size == 1 or call.symbolic:
         return tf.identity(x)
+    info = _record(call, "broadcast")
+    if config.get_check_calls():
+        checked = _check_call(x, call, "broadcast", f" root {root_index}")
+        with tf.device(call.device), tf.control_dependencies([checked]):
+            x = tf.identity(x)
     key, instance = call._keys()
     kwargs = dict(
         group_size=call.size,
@@ -297,7 +406,7 @@ def broadcast(x, call, root_index):
         def fn():
             return collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **kwargs)
 
-    with tf.name_scope(_op_name(call.name, "broadcast")):
+    with tf.name_scope(_op_name(call.name, "broadcast")), errors._translating(info):
         return _chained(call, fn)
 
 
@@ -311,6 +420,9 @@ def send(x, call, dest, tag=0):
     Returns the send's output (equal to `x`); callers must make it reach the
     function's outputs or a control dependency, or tf.function prunes it.
     """
+    if call.symbolic:
+        return tf.identity(x)
+    info = _record(call, "send")
     key, instance = call._keys(_pair_key(call.replica.rank, dest, tag))
 
     def fn():
@@ -323,12 +435,15 @@ def send(x, call, dest, tag=0):
             timeout=_timeout(call.timeout),
         )
 
-    with tf.name_scope(_op_name(call.name, "send")):
+    with tf.name_scope(_op_name(call.name, "send")), errors._translating(info):
         return _chained(call, fn)
 
 
 def recv(shape, dtype, call, src, tag=0):
     """Receives a tensor of `shape`/`dtype` sent by global rank `src`."""
+    if call.symbolic:
+        return tf.zeros(shape, dtype)
+    info = _record(call, "recv")
     key, instance = call._keys(_pair_key(call.replica.rank, src, tag))
 
     def fn():
@@ -342,5 +457,5 @@ def recv(shape, dtype, call, src, tag=0):
             timeout=_timeout(call.timeout),
         )
 
-    with tf.name_scope(_op_name(call.name, "recv")):
+    with tf.name_scope(_op_name(call.name, "recv")), errors._translating(info):
         return _chained(call, fn)

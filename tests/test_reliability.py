@@ -1,0 +1,268 @@
+"""Failures: fail fast and clearly, never hang; trust nothing from outside.
+
+Multi-process scenarios run tests/workers/reliability_worker.py (three
+cluster launches); the rest are fast checks of the launcher's refusals,
+TF_CONFIG validation, error translation and a static scan of the package.
+"""
+
+import ast
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+import keras_comm
+from keras_comm import errors
+from keras_comm import launch
+from keras_comm import topology
+
+from _cluster import LAUNCHER, cluster_env, run_cluster
+
+WORKER = "workers/reliability_worker.py"
+TIMEOUT = 3.0  # reliability_worker.TIMEOUT
+PACKAGE = Path(keras_comm.__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------
+# Multi-process scenarios.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_stalled_peer_in_fit_is_an_error_on_every_live_worker():
+    # 3 workers; rank 2 stops participating at batch 2 of model.fit.
+    start = time.monotonic()
+    result = run_cluster(WORKER, 3, "timeout", timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 100, result.tail()
+    assert result.results[2] == {"stalled_at_batch": 2}, result.tail()
+    for rank in (0, 1):
+        r = result.results[rank]
+        if r is None:
+            # TF 2.21 sometimes crashes (SIGABRT, "Mutex corrupt") while
+            # aborting a timed-out ring: still not a hang; the launcher names it.
+            assert "worker rank" in result.output and "failed" in result.output, result.tail()
+            assert result.returncode != 0
+            continue
+        error = r["error"]
+        assert error is not None, r
+        assert error["type"] == "DeadlineExceededError"
+        assert error["seconds"] < TIMEOUT + 10, error
+        assert error["message"].startswith("keras_comm: collective of "), error
+        assert "timed out" in error["message"]
+        assert "Collective has timed out" in error["message"]  # TF's text kept
+    assert any(r is not None and r.get("error") for r in result.results[:2]), result.tail()
+
+
+@pytest.mark.multiprocess
+def test_mismatched_calls_are_named_on_both_ranks_and_eager_timeout():
+    result = run_cluster(WORKER, 2, "mismatch", timeout=150).check()
+    expected = {
+        "shape": "rank 0: layer ar all_reduce Add, float32[2] | "
+                 "rank 1: layer ar all_reduce Add, float32[3]",
+        "dtype": "rank 0: layer ar_op all_reduce Add, float32[2] | "
+                 "rank 1: layer ar_op all_reduce Add, float64[2]",
+        "order": "rank 0: layer ar all_reduce Add, float32[2] | "
+                 "rank 1: layer ar_max all_reduce Max, float32[2]",
+    }
+    for rank, r in enumerate(result.results):
+        for scenario, sides in expected.items():
+            error = r[scenario]["error"]
+            assert error is not None, (rank, scenario, r[scenario])
+            assert error["type"] == "InvalidArgumentError"
+            assert "keras_comm: ranks called mismatched collectives" in error["message"]
+            assert sides in error["message"], (rank, scenario, error["message"])
+        # The check runs before the collective: the process still works.
+        assert r["matching"] == {"error": None, "value": [[3.0, 3.0]]}
+        cost = r["seconds_per_collective"]
+        assert cost["checked"] < 20 * cost["unchecked"] + 0.05, cost
+    error = result.results[0]["eager_timeout"]["error"]
+    assert error["type"] == "DeadlineExceededError"
+    assert error["seconds"] < TIMEOUT + 10
+    assert (
+        "keras_comm: collective of layer 'eager_probe' (all_reduce over group [0, 1], "
+        "timeout 3 s, seen on rank 0) timed out" in error["message"]
+    ), error["message"]
+
+
+@pytest.mark.multiprocess
+def test_sigkilled_worker_stops_the_job_naming_the_rank(tmp_path):
+    start = time.monotonic()
+    result = run_cluster(WORKER, 2, "crash", timeout=120, out_dir=tmp_path)
+    end = time.time()
+    assert time.monotonic() - start < 110
+    assert result.returncode == 128 + 9, result.tail()
+    assert "keras-comm-run: worker rank 1 failed (killed by SIGKILL)" in result.output
+    assert result.results == [None, None]  # fit never finished anywhere
+    killed_at = json.loads((tmp_path / "killed_at.json").read_text())["time"]
+    # Launcher exit, measured from the kill (includes output draining).
+    assert end - killed_at < 30, end - killed_at
+
+
+# ---------------------------------------------------------------------------
+# Launcher and TF_CONFIG: untrusted input from outside.
+# ---------------------------------------------------------------------------
+
+
+def _launch(tmp_path, *argv):
+    return subprocess.run(
+        [*LAUNCHER, *argv], env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=30,
+    )
+
+
+SCRIPT = str(Path(__file__).resolve().parent / "launch_scripts" / "report_env.py")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "0", SCRIPT], "-n must be >= 1"),
+        (["-n", "x", SCRIPT], "invalid int value"),
+        (["-n", "2", "--timeout", "-1", SCRIPT], "--timeout must be > 0"),
+        (["-n", "2", "--base-port", "65535", SCRIPT], "--base-port must be 0"),
+        (["-n", "2", "/no/such/script.py"], "script must be an existing file"),
+        (["-n", "2"], "a script (or -m module) to run is required"),
+        (["-n", "2", "--host", "8.8.8.8", SCRIPT], "refusing to run the TensorFlow cluster"),
+        (["-n", "2", "--host", "no such host", SCRIPT], "`host` must be"),
+    ],
+)
+def test_launcher_rejects_bad_arguments(tmp_path, argv, message):
+    proc = _launch(tmp_path, *argv)
+    assert proc.returncode == launch.EXIT_USAGE, proc.stderr
+    assert message in proc.stderr
+    assert not list(tmp_path.glob("rank*.json"))  # nothing was started
+
+
+def test_launcher_defaults_to_loopback_and_refuses_public_bind_in_python():
+    assert launch.run.__kwdefaults__["host"] == "127.0.0.1"
+    assert launch.run.__kwdefaults__["allow_non_loopback"] is False
+    with pytest.raises(launch.LaunchError, match="unauthenticated"):
+        launch.run([SCRIPT], 1, host="8.8.8.8")
+    # The explicit opt-in passes the check (nothing is started here).
+    assert launch._check_host("8.8.8.8", allow_non_loopback=True) == ["8.8.8.8"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"task": {"type": "worker", "index": 0}}', 'needs "cluster"'),
+        ('{"cluster": {"worker": []}, "task": {}}', "non-empty list"),
+        ('{"cluster": {"worker": ["a"]}, "task": {}}', '"host:port"'),
+        ('{"cluster": {"worker": ["a:1"]}}', 'needs "task"'),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}',
+         "must be one of ['worker']"),
+        ('{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 2}}',
+         "int in 0..1"),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}}',
+         "int in 0..0"),
+    ],
+)
+def test_malformed_tf_config_is_a_clear_error(text, message):
+    with pytest.raises(ValueError, match="TF_CONFIG") as info:
+        topology.validate_tf_config(text)
+    assert message in str(info.value)
+    assert "Received: TF_CONFIG=" in str(info.value)
+
+
+def test_tf_config_from_environment(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert topology.validate_tf_config() is None
+    good = launch.tf_config(["127.0.0.1:1", "127.0.0.1:2"], 1)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(good))
+    assert topology.validate_tf_config() == good
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": ')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        topology.validate_tf_config()
+
+
+# ---------------------------------------------------------------------------
+# Settings and error translation (no cluster).
+# ---------------------------------------------------------------------------
+
+
+def test_timeout_is_finite_by_default_and_validated():
+    assert 0 < keras_comm.get_timeout() < float("inf")
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="Received: seconds="):
+            keras_comm.set_timeout(bad)
+    with pytest.raises(TypeError, match="Received: seconds="):
+        keras_comm.set_timeout("10")
+    options = keras_comm.communication_options()
+    assert options.timeout_seconds == keras_comm.get_timeout()
+
+
+def test_check_calls_setting():
+    assert keras_comm.get_check_calls() is False
+    with pytest.raises(TypeError, match="Received: enabled=1"):
+        keras_comm.set_check_calls(1)
+    keras_comm.set_check_calls(True)
+    try:
+        assert keras_comm.get_check_calls() is True
+    finally:
+        keras_comm.set_check_calls(False)
+
+
+def test_translate_names_layer_and_group_from_node_name():
+    errors.record(errors.CollectiveInfo("probe_layer_all_gather", "probe_layer",
+                                        "all_gather", (0, 2), 7.0, 2))
+    original = tf.errors.DeadlineExceededError(
+        None, None,
+        "Collective has timed out during execution.\n\t [[{{node "
+        "functional/probe_layer_1/probe_layer_all_gather_3}}]] [Op:__inference_f_9]",
+    )
+    new = errors.translate(original)
+    assert isinstance(new, tf.errors.DeadlineExceededError)
+    assert new.message.startswith(
+        "keras_comm: collective of layer 'probe_layer' (all_gather over group [0, 2], "
+        "timeout 7 s, seen on rank 2) timed out"
+    )
+    assert "Collective has timed out during execution." in new.message
+    assert errors.translate(new) is new  # once only
+    unrelated = tf.errors.InvalidArgumentError(None, None, "bad shape")
+    assert errors.translate(unrelated) is unrelated
+    assert errors.translate(ValueError("x")).args == ("x",)
+
+    with pytest.raises(tf.errors.DeadlineExceededError, match="probe_layer") as info:
+        with errors.collective_errors():
+            raise original
+    assert info.value.__cause__ is original
+
+
+# ---------------------------------------------------------------------------
+# Nothing deserialises untrusted input.
+# ---------------------------------------------------------------------------
+
+_FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle"}
+_FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
+
+
+def test_package_source_has_no_pickle_marshal_or_eval():
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").split(".")[0]}
+            else:
+                names = set()
+            if names & _FORBIDDEN_MODULES:
+                problems.append(f"{where} imports {sorted(names & _FORBIDDEN_MODULES)}")
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
+                if isinstance(fn, ast.Name) and name in _FORBIDDEN_CALLS:
+                    problems.append(f"{where} calls {name}()")
+                if name in ("load", "loads") and isinstance(fn, ast.Attribute) and \
+                        getattr(fn.value, "id", None) in ("yaml", "np", "numpy"):
+                    problems.append(f"{where} calls {fn.value.id}.{name}()")
+    assert not problems, problems
+    assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan saw the package

@@ -1,0 +1,195 @@
+"""Failure scenarios across real worker processes (tests/test_reliability.py).
+
+`python reliability_worker.py MODE`, run by `run_cluster`:
+
+* ``timeout``: `model.fit` of a model with an AllReduce layer; the last rank
+  stops participating at batch 2. The others must get a translated
+  DeadlineExceededError naming the layer and group within timeout + 10 s.
+* ``mismatch``: checked mode; mismatched shapes, dtypes and call order each
+  raise on every rank with both sides named; the cost of checked mode; last,
+  an eager collective whose peer never comes (translated in eager mode).
+* ``crash``: `model.fit`; rank 1 SIGKILLs itself at batch 3 (the test times
+  the launcher).
+
+A collective timeout aborts every later collective in the process, so each
+timeout is the last collective a worker runs.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import keras_comm
+from keras_comm import layers
+from keras_comm import ops
+
+from _cluster import rank as worker_rank
+from _cluster import write_result
+
+TIMEOUT = 3.0
+
+
+def _wait_for_results(ranks, limit=60):
+    out_dir = Path(os.environ["KERAS_COMM_TEST_OUT"])
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if all((out_dir / f"rank{r}.json").exists() for r in ranks):
+            return
+        time.sleep(0.1)
+
+
+def _error_record(e, since):
+    return {"type": type(e).__name__, "message": str(e), "seconds": time.time() - since}
+
+
+def _model():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(4, name="hidden")(inputs)
+    h = layers.AllReduce("sum", name="grad_sync_probe")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def _data(n, batches):
+    x = np.random.default_rng(0).normal(size=(8 * n * batches, 4)).astype("float32")
+    return x, x[:, :1]
+
+
+def timeout_mode(strategy, rank, n):
+    with strategy.scope():
+        model = _model()
+    x, y = _data(n, 20)
+    last_batch = {"t": time.time(), "batch": -1}
+
+    class Stall(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            last_batch.update(t=time.time(), batch=batch)
+            if batch == 2 and rank == n - 1:
+                # Stop participating without exiting; exit once the others
+                # have reported (or after a minute).
+                _wait_for_results(range(n - 1))
+                write_result({"stalled_at_batch": batch})
+                sys.exit(0)
+
+    result = {}
+    try:
+        model.fit(x, y, batch_size=8 * n, epochs=1, verbose=0,
+                  callbacks=[Stall(), keras_comm.errors.CollectiveErrors()])
+        result["error"] = None
+    except tf.errors.OpError as e:
+        result["error"] = _error_record(e, last_batch["t"])
+    result["last_batch"] = last_batch["batch"]
+    write_result(result)
+
+
+def _attempt(fn, since=None):
+    start = time.time() if since is None else since
+    try:
+        out = fn()
+        return {"error": None, "value": [np.asarray(t).tolist() for t in tf.nest.flatten(out)]}
+    except tf.errors.OpError as e:
+        return {"error": _error_record(e, start)}
+
+
+def mismatch_mode(strategy, rank, n):
+    keras_comm.set_timeout(30)  # Mismatches must not need the timeout.
+    result = {}
+
+    # Cost of checked mode: the same step (4 small all-reduces) both ways.
+    def timed_step(checked, steps=30):
+        keras_comm.set_check_calls(checked)
+        ls = [layers.AllReduce("sum", name=f"cost_{checked}_{i}") for i in range(4)]
+
+        def replica_fn():
+            x = tf.ones([256])
+            for layer in ls:
+                x = layer(x) / n
+            return x
+
+        step = tf.function(lambda: strategy.run(replica_fn))
+        step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps / len(ls)
+
+    result["seconds_per_collective"] = {
+        "unchecked": timed_step(False), "checked": timed_step(True)
+    }
+
+    keras_comm.set_check_calls(True)
+    ar = layers.AllReduce("sum", name="ar")
+    ar_max = layers.AllReduce("max", name="ar_max")
+
+    def swapped():
+        x = tf.ones([2]) * (rank + 1)
+        if rank == 0:
+            return ar(x), ar_max(x)
+        b = ar_max(x)
+        return ar(x), b
+
+    scenarios = {
+        "shape": lambda: ar(tf.ones([2 + rank])),
+        # The layer's dtype policy would cast; the ops function does not.
+        "dtype": lambda: ops.all_reduce(
+            tf.ones([2], tf.float32 if rank == 0 else tf.float64), name="ar_op"
+        ),
+        "order": swapped,
+        # After the errors above, a matching call must still work.
+        "matching": lambda: ar(tf.ones([2]) * (rank + 1)),
+    }
+    for name, fn in scenarios.items():
+        result[name] = _attempt(tf.function(lambda fn=fn: strategy.run(fn)))
+
+    # Last: an eager collective whose peer never calls it.
+    keras_comm.set_check_calls(False)
+    layer = layers.AllReduce("sum", name="eager_probe", timeout=TIMEOUT)
+    if rank == 0:
+        result["eager_timeout"] = _attempt(lambda: strategy.run(lambda: layer(tf.ones([2]))))
+    else:
+        _wait_for_results([0])
+    write_result(result)
+
+
+def crash_mode(strategy, rank, n):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = _data(n, 200)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3 and rank == 1:
+                out = Path(os.environ["KERAS_COMM_TEST_OUT"])
+                (out / "killed_at.json").write_text(json.dumps({"time": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model.fit(x, y, batch_size=8 * n, epochs=50, verbose=0, callbacks=[Crash()])
+    write_result({"finished": True})  # Never reached by a correct launcher.
+
+
+def main():
+    mode = sys.argv[1]
+    keras_comm.set_timeout(TIMEOUT)
+    # The strategy's own collectives (fit's metric and gradient all-reduces)
+    # get the same timeout.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=keras_comm.communication_options()
+    )
+    rank, n = worker_rank(), strategy.num_replicas_in_sync
+    {"timeout": timeout_mode, "mismatch": mismatch_mode, "crash": crash_mode}[mode](
+        strategy, rank, n
+    )
+
+
+if __name__ == "__main__":
+    main()
