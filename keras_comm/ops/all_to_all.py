@@ -26,10 +26,36 @@ def normalize_dim(dim, rank, arg, what):
 
 
 def _exchange(x, call, split_dim, concat_dim):
+    # Chunks are made and merged with reshapes, which copy nothing; a
+    # transpose (one copy) is needed only for a split or concat axis other
+    # than 0.
     n = call.size
-    chunks = tf.stack(tf.split(x, n, axis=split_dim), axis=0)
-    received = _collective.all_to_all(chunks, call)
-    return tf.concat(tf.unstack(received, num=n, axis=0), axis=concat_dim)
+    rank = x.shape.rank
+    shape = tf.shape(x)
+    chunks = tf.reshape(
+        x,
+        tf.concat([shape[:split_dim], [n, shape[split_dim] // n], shape[split_dim + 1 :]], 0),
+    )
+    if split_dim != 0:
+        chunks = tf.transpose(chunks, [split_dim] + [i for i in range(rank + 1) if i != split_dim])
+    received = _collective.all_to_all(chunks, call)  # [n, *chunk shape]
+    if concat_dim != 0:
+        received = tf.transpose(
+            received,
+            list(range(1, concat_dim + 1)) + [0] + list(range(concat_dim + 1, rank + 1)),
+        )
+    shape = tf.shape(received)
+    out = tf.reshape(
+        received,
+        tf.concat([shape[:concat_dim], [n * shape[concat_dim + 1]], shape[concat_dim + 2 :]], 0),
+    )
+    static = x.shape.as_list()
+    if static[split_dim] is not None:
+        static[split_dim] //= n
+    if static[concat_dim] is not None:
+        static[concat_dim] *= n
+    out.set_shape(static)
+    return out
 
 
 def all_to_all(x, split_count, split_dim, concat_dim, group=None, *, timeout=None, name=None):
