@@ -1,0 +1,74 @@
+"""Every example in examples/ run on real worker processes, against one process.
+
+Each example trains across 2 workers (keras_comm/launch.py, via
+`_cluster.run_cluster`), then its chief trains the same model on the same
+global batches in a single process and writes both metrics with
+``--results``. A one-epoch run keeps each launch under ~40 s here.
+
+Tolerances, and why they are this tight: with exact gradients the two runs
+take the same optimizer steps up to float32 round-off (a relative error of
+~1e-7 per step, measured 1e-7..3e-6 on the final weights after these short
+runs). So the weights must agree to 1e-4 relative, and the test accuracy --
+an argmax over the test set -- may differ only where a sample's two top
+logits are within round-off of a tie: at most one sample. A wrong backward
+rule (a missing or doubled all-reduce, a lost halo gradient) moves the
+weights by 1e-2 or more after one epoch and fails the weight check.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _cluster import REPO_DIR, run_cluster
+
+EXAMPLES = REPO_DIR / "examples"
+WEIGHT_RTOL = 1e-4
+
+# (script, extra flags): short runs of every example on 2 workers.
+RUNS = {
+    # Plain fit is README's first command (run by CI as is); here fit with
+    # ParallelOptimizer, which covers more.
+    "data_parallel_zero1_accumulation": (
+        "data_parallel.py", ["--epochs", "1", "--accumulation-steps", "2", "--zero-stage", "1"],
+    ),
+    "tensor_parallel_mlp": ("tensor_parallel_mlp.py", ["--epochs", "1"]),
+    "mixture_of_experts": ("mixture_of_experts.py", ["--epochs", "1"]),
+    "pipeline": ("pipeline.py", ["--epochs", "1", "--micro-batches", "4"]),
+    "halo_exchange_conv": ("halo_exchange_conv.py", ["--epochs", "1"]),
+    "custom_training_loop": ("custom_training_loop.py", ["--epochs", "1"]),
+}
+
+# Test-set size of every example (20% of scikit-learn's 1,797 digits);
+# one sample of accuracy is 1/360.
+TEST_SAMPLES = 360
+
+
+@pytest.mark.parametrize("script", sorted({s for s, _ in RUNS.values()}))
+def test_help(script):
+    """--help answers without TensorFlow and lists the common flags."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--help"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    for flag in ("--epochs", "--batch-size", "--learning-rate", "--seed", "--results"):
+        assert flag in out, f"{script} --help lacks {flag}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(RUNS))
+def test_example_matches_single_process(name, tmp_path):
+    script, flags = RUNS[name]
+    results_path = Path(tmp_path) / "results.json"
+    run = run_cluster(EXAMPLES / script, 2, *flags, "--results", results_path, timeout=150)
+    assert run.returncode == 0, f"{script} failed:\n{run.tail()}"
+    results = json.loads(results_path.read_text())
+    assert results["replicas"] == 2
+    # The chief printed the comparison line.
+    assert "test accuracy, 2 workers:" in run.output and "single process:" in run.output
+    assert results["max_weight_rel_diff"] < WEIGHT_RTOL, results
+    assert abs(results["accuracy"] - results["single_process_accuracy"]) <= 1 / TEST_SAMPLES + 1e-9, results
+    if "first_batch_grad_rel_diff" in results:
+        assert results["first_batch_grad_rel_diff"] < WEIGHT_RTOL, results
