@@ -25,6 +25,10 @@ handle it as usual) and changes three things:
 * **Export.** `gather_full` (in replica context) and `full_weights` /
   `set_full_weights` (host side) convert between shards and full tensors.
 
+Limits: `global_clipnorm` sees only this replica's shards (its norm is
+local, not global); `keras_comm.callbacks.ParallelOptimizer` reduces every
+trainable weight over the world and does not yet honour sharded weights.
+
 Saving: `model.save_weights` / `model.save` write each worker's own
 component (its shard), so with one replica per worker each worker saves and
 restores its shard to a path of its own. With several replicas in one

@@ -157,9 +157,9 @@ def moe_check(strategy, top_k=2, capacity_factor=0.75, mode="function"):
     router_v, kernel_v, bias_v = (tf.Variable(v) for v in (router, kernel, bias))
     xs = [tf.constant(moe_tokens(r)) for r in range(n)]
     dropped = 0
-    with tf.GradientTape() as tape:
+    with tf.GradientTape(persistent=True) as tape:
         tape.watch(xs)
-        ys, total = [], 0.0
+        ys, losses = [], []
         for r, x in enumerate(xs):
             probs = tf.nn.softmax(x @ router_v)
             keep = reference_keep(probs.numpy(), top_k, cap)
@@ -167,13 +167,16 @@ def moe_check(strategy, top_k=2, capacity_factor=0.75, mode="function"):
             experts = tf.tanh(tf.einsum("td,edu->teu", x, kernel_v) + bias_v[None])
             y = tf.einsum("te,teu->tu", probs * keep, experts)
             ys.append(y)
-            total += tf.reduce_sum(y * weights_for(r, y.shape))
+            losses.append(tf.reduce_sum(y * weights_for(r, y.shape)))
+        total = tf.add_n(losses)
     gxs, gr, gk, gb = tape.gradient(total, [xs, router_v, kernel_v, bias_v])
 
     ranks = _local_ranks(strategy, len(local[0]))
     errs = {"forward": 0.0, "grad_x": 0.0, "grad_router": 0.0, "grad_experts": 0.0}
     local_router = []
     for i, r in enumerate(ranks):
+        # The router acts on replica r's tokens only: its local gradient is
+        # that of replica r's own loss (the optimizer then sums replicas).
         y, gx, g_router, g_kernel, g_bias = (np.asarray(o[i]) for o in local)
         errs["forward"] = max(errs["forward"], rel([ys[r]], [y]))
         errs["grad_x"] = max(errs["grad_x"], rel([gxs[r]], [gx]))
@@ -182,8 +185,11 @@ def moe_check(strategy, top_k=2, capacity_factor=0.75, mode="function"):
             errs["grad_experts"], rel([gk[sl], gb[sl]], [g_kernel, g_bias])
         )
         local_router.append(g_router)
-    if len(ranks) == n:  # all replicas here: the router gradient is their sum
-        errs["grad_router"] = rel([gr], [np.sum(local_router, 0)])
+        errs["grad_router"] = max(
+            errs["grad_router"], rel([tape.gradient(losses[r], router_v)], [g_router])
+        )
+    if len(ranks) == n:  # all replicas here: their sum is the total gradient
+        errs["grad_router"] = max(errs["grad_router"], rel([gr], [np.sum(local_router, 0)]))
     return {"errors": errs, "dropped": dropped, "num_experts": E}
 
 
