@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_comm.layers.all_reduce import CollectiveLayer
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops.all_to_all import all_to_all
 
 

@@ -2,8 +2,8 @@
 
 import keras
 
-from keras_comm.layers.all_reduce import CollectiveLayer
-from keras_comm.layers.all_reduce import _validate_rank_in_group
+from keras_comm.layers._base import CollectiveLayer
+from keras_comm.layers._base import _validate_rank_in_group
 from keras_comm.ops.broadcast import broadcast
 from keras_comm.ops.broadcast import reduce
 from keras_comm.ops.broadcast import validate_gradient
