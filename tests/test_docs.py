@@ -1,0 +1,219 @@
+"""The documentation: mkdocs' strict build, the API page, and every code block.
+
+Code blocks in docs/*.md and README.md are run, according to an HTML
+comment on the line just before the block's opening fence:
+
+* no comment, or ``<!-- test: run -->``: ```` ```python ```` blocks run in one
+  process, in page order, each page in a fresh namespace (a page's blocks
+  build on each other, like a tutorial); ```` ```bash ```` blocks run with
+  ``bash -euo pipefail`` from the repository root.
+* ``<!-- test: cluster -->``: the python block is a script run on 2 local
+  worker processes (keras_comm/launch.py through `_cluster.run_cluster`);
+  every worker must exit 0.
+* ``<!-- test: skip REASON -->``: not run here; reported as a skipped test
+  with its REASON (e.g. it needs GPUs or a Slurm allocation). A skip
+  without a reason fails.
+
+Blocks in ```` ```text ````, ```` ```json ```` or ```` ```yaml ```` are output or
+data, not code; a block in any other language (or none) fails, so no code
+escapes these rules. docs/performance/ holds generated benchmark output
+and is not scanned.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from _cluster import REPO_DIR, run_cluster
+
+DOCS = REPO_DIR / "docs"
+PAGES = sorted(p for p in DOCS.glob("*.md")) + [REPO_DIR / "README.md"]
+RUNNABLE = {"python", "bash"}
+DATA = {"text", "json", "yaml"}
+_MARKER = re.compile(r"^<!--\s*test:\s*(run|cluster|skip)\b\s*(.*?)\s*-->$")
+_FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
+
+
+class Block:
+    def __init__(self, page, line, lang, mode, reason, source):
+        self.page, self.line, self.lang = page, line, lang
+        self.mode, self.reason, self.source = mode, reason, source
+
+    @property
+    def label(self):
+        return f"{self.page.relative_to(REPO_DIR)}:{self.line}"
+
+
+def _blocks(page):
+    lines = page.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        start, lang = i, fence.group(1)
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        if j == len(lines):
+            raise AssertionError(f"{page}:{start + 1}: unclosed code fence")
+        k = start - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        marker = _MARKER.match(lines[k].strip()) if k >= 0 else None
+        mode, reason = (marker.group(1), marker.group(2)) if marker else ("run", "")
+        out.append(Block(page, start + 1, lang, mode, reason, "\n".join(lines[start + 1:j]) + "\n"))
+        i = j + 1
+    return out
+
+
+ALL = [b for page in PAGES for b in _blocks(page)]
+
+
+def _ids(blocks):
+    return [b.label for b in blocks]
+
+
+def test_every_block_has_a_known_language_and_mode():
+    bad = [f"{b.label}: ```{b.lang}" for b in ALL if b.lang not in RUNNABLE | DATA]
+    assert not bad, f"code blocks must be one of {sorted(RUNNABLE | DATA)}: {bad}"
+    unexplained = [b.label for b in ALL if b.mode == "skip" and not b.reason]
+    assert not unexplained, f"`<!-- test: skip -->` needs a reason: {unexplained}"
+    wrong = [b.label for b in ALL if b.mode == "cluster" and b.lang != "python"]
+    assert not wrong, f"`<!-- test: cluster -->` is for python blocks: {wrong}"
+    assert any(b.mode == "cluster" for b in ALL) and any(b.lang == "python" and b.mode == "run" for b in ALL)
+
+
+# --- python blocks in one process ---------------------------------------
+
+_RUNNER = """
+import json, sys, traceback
+pages = json.load(open(sys.argv[1]))
+for page, blocks in pages.items():
+    namespace = {"__name__": "__main__"}
+    for label, source in blocks:
+        print(f"--- {label}", flush=True)
+        exec(compile(source, label, "exec"), namespace)
+print("--- all blocks ran", flush=True)
+"""
+
+LOCAL_PYTHON = [b for b in ALL if b.lang == "python" and b.mode == "run"]
+
+
+def test_python_blocks_run_in_one_process(tmp_path):
+    pages = {}
+    for b in LOCAL_PYTHON:
+        pages.setdefault(str(b.page.relative_to(REPO_DIR)), []).append([b.label, b.source])
+    spec = tmp_path / "blocks.json"
+    spec.write_text(json.dumps(pages))
+    runner = tmp_path / "runner.py"
+    runner.write_text(_RUNNER)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([str(REPO_DIR), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(runner), str(spec)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and "--- all blocks ran" in proc.stdout, (
+        f"a docs python block failed (the last '--- file:line' names it):\n"
+        f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    )
+
+
+# --- python blocks on a 2-worker cluster --------------------------------
+
+CLUSTER = [b for b in ALL if b.mode == "cluster"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("block", CLUSTER, ids=_ids(CLUSTER))
+def test_cluster_block(block, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(block.source)
+    run = run_cluster(script, 2, timeout=150)
+    assert run.returncode == 0, f"{block.label} failed on 2 workers:\n{run.tail()}"
+
+
+# --- bash blocks ------------------------------------------------------------
+
+SHELL = [b for b in ALL if b.lang == "bash" and b.mode == "run"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("block", SHELL, ids=_ids(SHELL))
+def test_bash_block(block):
+    assert shutil.which("keras-comm-run") or "keras-comm-run" not in block.source, (
+        "keras-comm-run is not on PATH: install the package (pip install -e .)"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.source], cwd=REPO_DIR, env=env,
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, f"{block.label} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+# --- blocks not run here, reported ---------------------------------------
+
+SKIPPED = [b for b in ALL if b.mode == "skip"]
+
+
+@pytest.mark.parametrize("block", SKIPPED, ids=_ids(SKIPPED))
+def test_block_not_run_here(block):
+    pytest.skip(f"{block.label} ({block.lang}): {block.reason}")
+
+
+# --- the site -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site():
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' to build the docs")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
+    out = Path(tempfile.mkdtemp(prefix="keras_comm_site_"))
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300,
+    )
+    yield proc, out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def test_strict_build(site):
+    proc, _ = site
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def test_api_page_renders_every_public_name(site):
+    proc, out = site
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    html = (out / "api" / "index.html").read_text()
+    import keras_comm.callbacks
+    import keras_comm.layers
+    import keras_comm.ops
+    import keras_comm.parallel
+
+    import inspect
+
+    modules = [keras_comm, keras_comm.layers, keras_comm.ops, keras_comm.callbacks, keras_comm.parallel]
+    missing = []
+    for m in modules:
+        for name in m.__all__:
+            if inspect.ismodule(getattr(m, name)):
+                continue  # a subpackage: its own section
+            # Rendered under the package, or under the module defining it
+            # (a function named like its module, e.g. ops.all_reduce.all_reduce).
+            anchor = re.compile(rf'id="{re.escape(m.__name__)}(\.\w+)?\.{re.escape(name)}"')
+            if not anchor.search(html):
+                missing.append(f"{m.__name__}.{name}")
+    assert not missing, f"public names missing from docs/api.md's page: {missing}"
