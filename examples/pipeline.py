@@ -26,6 +26,8 @@ Weights here are mirrored: each worker holds both stages (the stage it does
 not run gets a zero gradient there, and the optimizer's all-reduce adds the
 other worker's real one). That keeps the example short; a memory-saving
 pipeline keeps each stage's weights on its own worker only.
+`keras_comm.parallel.PipelineStage(first, second, num_micro_batches)`
+packages the same pattern as one layer that trains with `model.fit`.
 """
 
 import time
