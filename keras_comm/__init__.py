@@ -2,22 +2,29 @@
 
 Collectives are Keras layers (`keras_comm.layers`) and differentiable
 functions (`keras_comm.ops`) with exact backward rules, running on
-`tf.distribute.MultiWorkerMirroredStrategy` collectives.
+`tf.distribute.MultiWorkerMirroredStrategy` collectives. Importing the
+package also applies `keras_comm.compat`, which makes Keras 3's `model.fit`
+work (exactly) under that strategy.
 """
 
-from keras_comm.config import communication_options
-from keras_comm.config import get_check_calls
-from keras_comm.config import get_timeout
-from keras_comm.config import set_check_calls
-from keras_comm.config import set_timeout
-from keras_comm.topology import Group
-from keras_comm.topology import rank
-from keras_comm.topology import world_size
+from keras_comm import compat as _compat
 
-from keras_comm import compat as _compat; _compat.apply()  # noqa: E702  Keras 3 x MWMS fix: see compat.py
+# Before anything that builds on Keras's trainer: the one Keras x MWMS fix.
+_compat.apply()
+
+from keras_comm import callbacks  # noqa: E402
 from keras_comm import errors  # noqa: E402
-from keras_comm import callbacks  # noqa: E402  (after compat: uses its fixed trainer)
-from keras_comm import parallel  # noqa: E402  (after compat: its optimizer hook)
+from keras_comm import layers  # noqa: E402
+from keras_comm import ops  # noqa: E402
+from keras_comm import parallel  # noqa: E402
+from keras_comm.config import communication_options  # noqa: E402
+from keras_comm.config import get_check_calls  # noqa: E402
+from keras_comm.config import get_timeout  # noqa: E402
+from keras_comm.config import set_check_calls  # noqa: E402
+from keras_comm.config import set_timeout  # noqa: E402
+from keras_comm.topology import Group  # noqa: E402
+from keras_comm.topology import rank  # noqa: E402
+from keras_comm.topology import world_size  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -28,6 +35,8 @@ __all__ = [
     "errors",
     "get_check_calls",
     "get_timeout",
+    "layers",
+    "ops",
     "parallel",
     "rank",
     "set_check_calls",

@@ -39,10 +39,17 @@ def make_strategy(num_replicas):
             f"only {available} exist (TF was initialised before conftest)."
         )
     if num_replicas not in _strategies:
-        devices = [f"/cpu:{i}" for i in range(num_replicas)]
-        _strategies[num_replicas] = (
-            tf.distribute.MultiWorkerMirroredStrategy._from_local_devices(devices)
-        )
+        # Every in-process MWMS numbers its own collective groups from
+        # 1 + _collective_key_base; strategies over different device sets
+        # must not share numbers, or a second model.fit joins a group of the
+        # wrong size ("joining a group with size 4, but that group has size 2").
+        cls = tf.distribute.MultiWorkerMirroredStrategy
+        cls._collective_key_base = 70000 + 1000 * num_replicas
+        try:
+            devices = [f"/cpu:{i}" for i in range(num_replicas)]
+            _strategies[num_replicas] = cls._from_local_devices(devices)
+        finally:
+            cls._collective_key_base = 0
     return _strategies[num_replicas]
 
 

@@ -13,28 +13,8 @@ import tensorflow as tf
 
 import keras_comm
 from keras_comm import parallel as P
+from conftest import make_strategy
 from workers import parallel_worker as cases
-
-_strategies = {}
-
-
-def isolated_strategy(n):
-    """An n-replica in-process MWMS with its own tf.distribute key range.
-
-    Two in-process MWMS instances over different device sets both number
-    their own collective groups from 1, and a second `model.fit` then fails
-    ("joining a group with size 4, but that group has size 2"). A distinct
-    `_collective_key_base` per instance keeps them apart.
-    """
-    if n not in _strategies:
-        cls = tf.distribute.MultiWorkerMirroredStrategy
-        cls._collective_key_base = 70000 + 1000 * n
-        try:
-            _strategies[n] = cls._from_local_devices([f"/cpu:{i}" for i in range(n)])
-        finally:
-            cls._collective_key_base = 0
-    return _strategies[n]
-
 
 @pytest.fixture(autouse=True)
 def _short_timeout():
@@ -48,7 +28,7 @@ def _short_timeout():
 @pytest.mark.parametrize("n, mesh", [(2, None), (4, (2, 2))], ids=["tp2", "dp2xtp2"])
 def test_tensor_parallel_fit_matches_unsplit(n, mesh):
     mesh = P.Mesh(mesh, ("data", "model")) if mesh else None
-    got = cases.tp_fit(isolated_strategy(n), mesh)
+    got = cases.tp_fit(make_strategy(n), mesh)
     assert got["num_sharded"] == 4  # embedding, column kernel + bias, row kernel
     assert got["loss_rel"] <= cases.RTOL, got
     assert got["weights_rel"] <= cases.RTOL, got
@@ -60,7 +40,7 @@ def test_tensor_parallel_fit_matches_unsplit(n, mesh):
 
 @pytest.mark.inprocess
 def test_shards_differ_per_replica_and_gather_to_the_seeded_weight():
-    strategy = isolated_strategy(2)
+    strategy = make_strategy(2)
     with strategy.scope():
         layer = P.ColumnParallelDense(4, seed=3, use_bias=False)
         layer.build((None, 3))
@@ -75,7 +55,7 @@ def test_shards_differ_per_replica_and_gather_to_the_seeded_weight():
 
 @pytest.mark.inprocess
 def test_column_gather_output_equals_dense():
-    strategy = isolated_strategy(2)
+    strategy = make_strategy(2)
     x = np.random.RandomState(0).randn(4, 3).astype("float32")
     dense = keras.layers.Dense(6, activation="relu")
     dense.build((None, 3))
@@ -88,7 +68,7 @@ def test_column_gather_output_equals_dense():
 
 @pytest.mark.inprocess
 def test_mesh_not_matching_world_at_build():
-    strategy = isolated_strategy(2)
+    strategy = make_strategy(2)
     with strategy.scope(), pytest.raises(ValueError, match=r"spans 4 replicas, but 2"):
         P.RowParallelDense(4, mesh=P.Mesh((2, 2), ("data", "model"))).build((None, 4))
     with strategy.scope(), pytest.raises(ValueError, match="Received: units=3"):
@@ -98,7 +78,7 @@ def test_mesh_not_matching_world_at_build():
 @pytest.mark.inprocess
 @pytest.mark.parametrize("n, mode", [(2, "eager"), (2, "function"), (4, "function")])
 def test_moe_matches_dense_simulation(n, mode):
-    got = cases.moe_check(isolated_strategy(n), mode=mode)
+    got = cases.moe_check(make_strategy(n), mode=mode)
     assert got["dropped"] > 0  # the capacity limit is exercised
     for name, err in got["errors"].items():
         assert err <= 1e-9, (name, got)
@@ -107,7 +87,7 @@ def test_moe_matches_dense_simulation(n, mode):
 @pytest.mark.inprocess
 def test_moe_wrong_backward_would_fail():
     """The check can fail: a capacity that drops nothing changes the output."""
-    got = cases.moe_check(isolated_strategy(2), capacity_factor=4.0)
+    got = cases.moe_check(make_strategy(2), capacity_factor=4.0)
     assert got["dropped"] == 0 and got["errors"]["forward"] <= 1e-9
     probs = tf.constant([[0.9, 0.1], [0.8, 0.2]], tf.float64)
     assert not np.array_equal(
@@ -117,5 +97,5 @@ def test_moe_wrong_backward_would_fail():
 
 @pytest.mark.inprocess
 def test_pipeline_fit_matches_single_process():
-    got = cases.pipeline_fit(isolated_strategy(2))
+    got = cases.pipeline_fit(make_strategy(2))
     assert got["loss_rel"] <= cases.RTOL and got["weights_rel"] <= cases.RTOL, got
