@@ -26,8 +26,9 @@ handle it as usual) and changes three things:
   `set_full_weights` (host side) convert between shards and full tensors.
 
 Limits: `global_clipnorm` sees only this replica's shards (its norm is
-local, not global); `keras_comm.callbacks.ParallelOptimizer` reduces every
-trainable weight over the world and does not yet honour sharded weights.
+local, not global). `keras_comm.callbacks.ParallelOptimizer` honours the
+reduction: sharded weights skip its world-wide reduction and ZeRO sharding,
+go through their own reduction once per update and are updated whole.
 
 Saving: `model.save_weights` / `model.save` write each worker's own
 component (its shard), so with one replica per worker each worker saves and

@@ -61,17 +61,23 @@ def tp_data(n_samples=16):
     return x, y
 
 
-def tp_fit(strategy, mesh=None, epochs=2):
-    """Trains the split and the unsplit model on the same data; compares."""
+def tp_fit(strategy, mesh=None, epochs=2, callbacks=None, optimizer=None):
+    """Trains the split and the unsplit model on the same data; compares.
+
+    `callbacks` (e.g. a ParallelOptimizer) go to the split model's fit only:
+    the reference is always plain single-process training. `optimizer` is a
+    zero-argument factory (default: Adam(0.01)).
+    """
+    optimizer = optimizer or (lambda: keras.optimizers.Adam(0.01))
     x, y = tp_data()
     keras.utils.set_random_seed(0)
     ref = tp_model(False)
-    ref.compile(keras.optimizers.Adam(0.01), "mse")
+    ref.compile(optimizer(), "mse")
     initial = ref.get_weights()
     h_ref = ref.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0).history["loss"]
     with strategy.scope():
         model = tp_model(True, mesh)
-        model.compile(keras.optimizers.Adam(0.01), "mse")
+        model.compile(optimizer(), "mse")
     P.set_full_weights(model, initial)
     n = strategy.num_replicas_in_sync
     sharded = [w for w in model.weights if P.is_sharded(w)]
@@ -83,7 +89,9 @@ def tp_fit(strategy, mesh=None, epochs=2):
             for b in P.shard_nbytes(w).values()
         }
     )
-    h = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0).history["loss"]
+    h = model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks
+    ).history["loss"]
     ev = model.evaluate(x, y, batch_size=8, verbose=0)
     pred = model.predict(x, batch_size=8, verbose=0)
     return {
