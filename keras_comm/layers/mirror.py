@@ -98,6 +98,46 @@ class _Mirror(keras.layers.Layer):
         return config_
 
 
+class _Accumulating(_Mirror):
+    """A mirror layer with a per-replica ``accumulator`` shaped like its output."""
+
+    def build(self, input_shape):
+        shape = _static_shape(self, input_shape)
+        self.accumulator = per_replica_weight(
+            self, "accumulator", self.compute_output_shape(shape), self.variable_dtype
+        )
+
+
+class _MiniSteps:
+    """Mixin of the layers that release their gradient every `accumulation_steps` backwards.
+
+    Adds the ``step`` counter (built after the accumulator), the call of the
+    mini-step op named by `_op`, and `accumulation_steps` in the config.
+    Subclasses keep their own constructor, whose argument order differs.
+    """
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.step = per_replica_weight(self, "step", (), "int64")
+
+    def call(self, inputs):
+        return self._op(
+            inputs,
+            _tf_variable(self.accumulator),
+            _tf_variable(self.step),
+            self.accumulation_steps,
+            self.mean_flag,
+            self.group,
+            timeout=self.timeout,
+            name=self.name,
+        )
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_["accumulation_steps"] = self.accumulation_steps
+        return config_
+
+
 @keras.saving.register_keras_serializable(package="keras_comm")
 class MirrorOperator(_Mirror):
     """Marks its input as a copy of a parameter mirrored over the replicas.
@@ -133,7 +173,7 @@ class MirrorOperator(_Mirror):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MirrorMiniStepOperator(_Mirror):
+class MirrorMiniStepOperator(_MiniSteps, _Accumulating):
     """Mirror with gradient accumulation over `accumulation_steps` mini-steps.
 
     Forward: identity.
@@ -159,35 +199,15 @@ class MirrorMiniStepOperator(_Mirror):
     (int64 scalar), non-trainable, per replica.
     """
 
+    _op = staticmethod(mirror_ops.mirror_mini_step_operator)
+
     def __init__(self, accumulation_steps, mean_flag=True, group=None, timeout=None, **kwargs):
         super().__init__(mean_flag, group, timeout, **kwargs)
         self.accumulation_steps = _check_steps(accumulation_steps)
 
-    def build(self, input_shape):
-        shape = _static_shape(self, input_shape)
-        self.accumulator = per_replica_weight(self, "accumulator", shape, self.variable_dtype)
-        self.step = per_replica_weight(self, "step", (), "int64")
-
-    def call(self, inputs):
-        return mirror_ops.mirror_mini_step_operator(
-            inputs,
-            _tf_variable(self.accumulator),
-            _tf_variable(self.step),
-            self.accumulation_steps,
-            self.mean_flag,
-            self.group,
-            timeout=self.timeout,
-            name=self.name,
-        )
-
-    def get_config(self):
-        config_ = super().get_config()
-        config_["accumulation_steps"] = self.accumulation_steps
-        return config_
-
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MirrorMicroStepOperator(_Mirror):
+class MirrorMicroStepOperator(_Accumulating):
     """Mirror at the end of pipeline micro-steps.
 
     Forward: identity.
@@ -212,10 +232,6 @@ class MirrorMicroStepOperator(_Mirror):
         super().__init__(mean_flag, group, timeout, **kwargs)
         self.optimizer_shard = _check_bool(optimizer_shard, "optimizer_shard")
 
-    def build(self, input_shape):
-        shape = _static_shape(self, input_shape)
-        self.accumulator = per_replica_weight(self, "accumulator", shape, self.variable_dtype)
-
     def call(self, inputs):
         return mirror_ops.mirror_micro_step_operator(
             inputs,
@@ -233,7 +249,7 @@ class MirrorMicroStepOperator(_Mirror):
         return config_
 
 
-class _StepAllGather(_Mirror):
+class _StepAllGather(_Accumulating):
     def _full_shape(self, input_shape):
         shape = tuple(input_shape)
         if not shape:
@@ -247,15 +263,9 @@ class _StepAllGather(_Mirror):
     def compute_output_shape(self, input_shape):
         return self._full_shape(input_shape)
 
-    def build(self, input_shape):
-        shape = _static_shape(self, input_shape)
-        self.accumulator = per_replica_weight(
-            self, "accumulator", self._full_shape(shape), self.variable_dtype
-        )
-
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MiniStepAllGather(_StepAllGather):
+class MiniStepAllGather(_MiniSteps, _StepAllGather):
     """All-gathers a parameter shard; accumulates its gradient over mini-steps.
 
     Forward: concatenation of every group member's input along axis 0.
@@ -278,30 +288,11 @@ class MiniStepAllGather(_StepAllGather):
     output shape, so a model built for N replicas keeps N-replica weights).
     """
 
+    _op = staticmethod(mirror_ops.mini_step_all_gather)
+
     def __init__(self, mean_flag=True, group=None, accumulation_steps=1, timeout=None, **kwargs):
         super().__init__(mean_flag, group, timeout, **kwargs)
         self.accumulation_steps = _check_steps(accumulation_steps)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self.step = per_replica_weight(self, "step", (), "int64")
-
-    def call(self, inputs):
-        return mirror_ops.mini_step_all_gather(
-            inputs,
-            _tf_variable(self.accumulator),
-            _tf_variable(self.step),
-            self.accumulation_steps,
-            self.mean_flag,
-            self.group,
-            timeout=self.timeout,
-            name=self.name,
-        )
-
-    def get_config(self):
-        config_ = super().get_config()
-        config_["accumulation_steps"] = self.accumulation_steps
-        return config_
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
