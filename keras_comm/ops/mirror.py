@@ -387,6 +387,25 @@ def _gather_forward(x, call):
     return y
 
 
+def _check_gathered_accumulator(accumulator, x, call, what):
+    # The accumulator holds the gradient of the gathered output, so it has
+    # group-size times x's rows; non-members never touch it.
+    _check_divisible(x.shape, 1, what)
+    if call.member:
+        full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
+            x.shape[1:]
+        )
+        _check_accumulator(accumulator, full, what)
+
+
+def _scatter_total(total, mean_flag, call):
+    # A member's share of the accumulated gathered gradient: its slice of
+    # the reduce-scatter SUM (the whole total in a group of one).
+    if call.trivial:
+        return _scale(total, mean_flag, call)
+    return _collective.run(lambda: _scale(_reduce_scatter(total, call), mean_flag, call))
+
+
 def mini_step_all_gather(
     x,
     accumulator,
@@ -438,12 +457,7 @@ def mini_step_all_gather(
     x = tf.convert_to_tensor(x)
     _check_float(x, what)
     call = _collective.resolve(group, timeout, name)
-    _check_divisible(x.shape, 1, what)
-    if call.member:
-        full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
-            x.shape[1:]
-        )
-        _check_accumulator(accumulator, full, what)
+    _check_gathered_accumulator(accumulator, x, call, what)
 
     @tf.custom_gradient
     def fn(x):
@@ -461,12 +475,7 @@ def mini_step_all_gather(
                 update = _counts_step(step, accumulation_steps)
 
             def release():
-                total = _take(accumulator, dy.dtype)
-                if call.trivial:
-                    return _scale(total, mean_flag, call)
-                return _collective.run(
-                    lambda: _scale(_reduce_scatter(total, call), mean_flag, call)
-                )
+                return _scatter_total(_take(accumulator, dy.dtype), mean_flag, call)
 
             return _branch(update, release, lambda: tf.zeros_like(x))
 
@@ -508,12 +517,7 @@ def micro_step_all_gather(
     x = tf.convert_to_tensor(x)
     _check_float(x, what)
     call = _collective.resolve(group, timeout, name)
-    _check_divisible(x.shape, 1, what)
-    if call.member:
-        full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
-            x.shape[1:]
-        )
-        _check_accumulator(accumulator, full, what)
+    _check_gathered_accumulator(accumulator, x, call, what)
 
     @tf.custom_gradient
     def fn(x):
@@ -525,11 +529,7 @@ def micro_step_all_gather(
                 return _collective.run(lambda: dy)
             with tf.control_dependencies([_add_into(accumulator, dy)]):
                 total = _take(accumulator, dy.dtype)
-            if call.trivial:
-                return _scale(total, mean_flag, call)
-            return _collective.run(
-                lambda: _scale(_reduce_scatter(total, call), mean_flag, call)
-            )
+            return _scatter_total(total, mean_flag, call)
 
         return tf.identity(y), grad
 
