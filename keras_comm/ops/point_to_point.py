@@ -256,9 +256,37 @@ def _after(tensor, deps):
 # ---------------------------------------------------------------------------
 
 
-def _p2p_call(timeout, name):
+def _p2p_call(route_map, peer, peer_name, fn_name, timeout, name):
+    """The call and this rank's peer (None where the op is not active).
+
+    The call is None in a world of one, where send and receive are the
+    identity and the routes are not checked.
+    """
     call = _collective.resolve(None, timeout, name)
-    return call, call.replica.world_size
+    world = call.replica.world_size
+    if world == 1:
+        return None, None
+    route_map = _resolve_routes(route_map, peer, world, _what(fn_name, name), peer_name)
+    return call, route_map.get(call.replica.rank)
+
+
+def _between_peers(x, call, peer, forward, backward):
+    """`forward(x)` with backward `backward(dy, x)` where this rank has a peer.
+
+    Ranks without a peer return `x` and pass dy through; every rank runs
+    the same collective program points.
+    """
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _collective.run(lambda: tf.identity(x) if peer is None else forward(x))
+
+        def grad(dy):
+            return _collective.run(lambda: dy if peer is None else backward(dy, x))
+
+        return y, grad
+
+    return fn(x)
 
 
 def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
@@ -294,36 +322,19 @@ def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
     tag = validate_tag(tag)
     route_map = routes(dest, src, "dest", "src", "sends to")
     x = tf.convert_to_tensor(x)
-    call, world = _p2p_call(timeout, name)
-    if world == 1:
+    call, peer = _p2p_call(route_map, dest, "dest", "send", timeout, name)
+    if call is None:
         return tf.identity(x)
-    route_map = _resolve_routes(route_map, dest, world, _what("send", name), "dest")
-    peer = route_map.get(call.replica.rank)
 
-    @tf.custom_gradient
-    def fn(x):
-        def forward():
-            if peer is None:
-                return tf.identity(x)
-            (out,) = _run_transfers(call, [_Transfer("send", peer, tag, x, None, None)])
-            return out
+    def forward(x):
+        (out,) = _run_transfers(call, [_Transfer("send", peer, tag, x, None, None)])
+        return out
 
-        y = _collective.run(forward)
+    def backward(dy, x):
+        (g,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
+        return dy + g
 
-        def grad(dy):
-            def backward():
-                if peer is None:
-                    return dy
-                (g,) = _run_transfers(
-                    call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)]
-                )
-                return dy + g
-
-            return _collective.run(backward)
-
-        return y, grad
-
-    return fn(x)
+    return _between_peers(x, call, peer, forward, backward)
 
 
 def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
@@ -355,36 +366,19 @@ def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
     tag = validate_tag(tag)
     route_map = routes(src, dest, "src", "dest", "receives from")
     x = tf.convert_to_tensor(x)
-    call, world = _p2p_call(timeout, name)
-    if world == 1:
+    call, peer = _p2p_call(route_map, src, "src", "receive", timeout, name)
+    if call is None:
         return tf.identity(x)
-    route_map = _resolve_routes(route_map, src, world, _what("receive", name), "src")
-    peer = route_map.get(call.replica.rank)
 
-    @tf.custom_gradient
-    def fn(x):
-        def forward():
-            if peer is None:
-                return tf.identity(x)
-            (out,) = _run_transfers(
-                call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)]
-            )
-            return out
+    def forward(x):
+        (out,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
+        return out
 
-        y = _collective.run(forward)
+    def backward(dy, x):
+        (sent,) = _run_transfers(call, [_Transfer("send", peer, tag, dy, None, None)])
+        return _after(tf.zeros_like(x), [sent])
 
-        def grad(dy):
-            def backward():
-                if peer is None:
-                    return dy
-                (sent,) = _run_transfers(call, [_Transfer("send", peer, tag, dy, None, None)])
-                return _after(tf.zeros_like(x), [sent])
-
-            return _collective.run(backward)
-
-        return y, grad
-
-    return fn(x)
+    return _between_peers(x, call, peer, forward, backward)
 
 
 __all__ = ["receive", "send"]
