@@ -9,6 +9,8 @@ The case builders (`cases(n)`) are also used by the in-process tests, so both
 levels check the same references. Importing this module has no side effects.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -300,6 +302,14 @@ def main():
         result["timeout_error"] = "DeadlineExceededError"
     result["timeout_seconds"] = time.time() - start
     write_result(result)
+    # Rank 1's receive first resolves its group through task 0; if task 0
+    # exited meanwhile, rank 1 would see "Socket closed" (UnavailableError)
+    # instead of its timeout. So the others stay up until rank 1 is done.
+    if me != 1:
+        done = os.path.join(os.environ["KERAS_COMM_TEST_OUT"], "rank1.json")
+        deadline = time.time() + 60
+        while not os.path.exists(done) and time.time() < deadline:
+            time.sleep(0.1)
 
 
 if __name__ == "__main__":
