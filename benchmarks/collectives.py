@@ -2,7 +2,8 @@
 
 Worker side (`measure`, run inside each TensorFlow worker): for every op and
 size, five kinds of compiled step run interleaved in the same processes,
-their order rotated every iteration so no variant always goes first:
+their order rotated every iteration so no variant always goes first, each
+timed from a barrier (see `_Barrier`):
 
 * ``layer_fwd``     -- the keras_comm layer's forward;
 * ``raw_fwd``       -- the raw `collective_ops.*_v2` call doing the same
@@ -19,6 +20,16 @@ Every step is ``tf.function(lambda ...: strategy.run(...))``; raw steps get
 their instance keys as a call argument, ours draw them at call time
 (``capture_call_time_value``), so both pay one small host tensor per call.
 
+Steps do not end at the same moment on every rank: a broadcast's root
+returns once its data is handed over, while the receivers are still
+copying. Without a barrier that skew is charged to whichever step runs
+next, and rotating the order does not spread it, because a rotation keeps
+every variant's predecessor (e.g. ``layer_fwd_bwd`` always ran right after
+``raw_fwd``, and measured up to 1.2x ``raw_fwd_bwd`` for broadcast at 64 MB,
+with the two steps doing the same communication and local work). So every
+timed call starts right after an untimed barrier that all ranks leave
+together.
+
 Driver side (`summarize`): per-iteration maximum over ranks, medians,
 algbw/busbw with nccl-tests' factors, and paired keras_comm/raw ratios.
 """
@@ -33,6 +44,7 @@ RS_EXTRA = "raw_allreduce_slice"
 # Raw TF group key: above tf.distribute's keys (counted from 1) and above the
 # range keras_comm's topology.group_key hashes into (< 2**30).
 _RAW_GROUP_KEY = (1 << 30) + 17
+_BARRIER_GROUP_KEY = _RAW_GROUP_KEY + 1
 _TIMEOUT_SECONDS = 600.0
 
 
@@ -111,6 +123,39 @@ class _Raw:
         if is_root:
             return collective_ops.broadcast_send_v2(x, **self._common(key))
         return collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **self._common(key))
+
+
+class _Barrier:
+    """Returns on every rank only once every rank has called it.
+
+    A one-float all-reduce on its own group key, compiled once; all ranks
+    leave it within a small message's latency of each other, so the step
+    timed after it starts together everywhere.
+    """
+
+    def __init__(self, strategy):
+        import tensorflow as tf
+        from tensorflow.python.distribute import device_util
+        from tensorflow.python.ops import collective_ops
+
+        n = strategy.num_replicas_in_sync
+        device = device_util.canonicalize("/device:CPU:0", device_util.current())
+        self._key = 0
+
+        def step(k):
+            with tf.device(device):
+                return collective_ops.all_reduce_v2(
+                    tf.constant(1.0), group_size=n, group_key=_BARRIER_GROUP_KEY,
+                    instance_key=k, merge_op="Add", final_op="Id", timeout=_TIMEOUT_SECONDS,
+                )
+
+        self._fn = tf.function(lambda k: strategy.run(step, args=(k,)))
+
+    def __call__(self):
+        import tensorflow as tf
+
+        self._key += 1
+        self._fn(tf.constant(self._key, tf.int32))
 
 
 def _layer(op, n):
@@ -227,6 +272,7 @@ def measure(strategy, ops, sizes_mb, iters, warmup, log=print):
     n = strategy.num_replicas_in_sync
     rank = strategy.cluster_resolver.task_id or 0
     del keras_comm  # imported for its Keras x MWMS fixes only
+    barrier = _Barrier(strategy)
     out = {}
     for op in ops:
         out[op] = {}
@@ -235,13 +281,16 @@ def measure(strategy, ops, sizes_mb, iters, warmup, log=print):
             names = list(calls)
             for _ in range(warmup):
                 for name in names:
+                    barrier()
                     calls[name]()
             times = {name: [] for name in names}
             for i in range(iters):
-                # Rotate the order so no variant always runs first (or after
-                # the same neighbour); every rank uses the same order.
+                # Rotate the order so no variant always runs first; every
+                # rank uses the same order. The barrier keeps one step's
+                # uneven end across ranks out of the next step's time.
                 shift = i % len(names)
                 for name in names[shift:] + names[:shift]:
+                    barrier()
                     start = time.perf_counter()
                     calls[name]()
                     times[name].append(time.perf_counter() - start)

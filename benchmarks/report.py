@@ -23,8 +23,10 @@ LIMITS = [
     "**The keras_comm / raw TF ratio** isolates our code: custom_gradient wrapping, the ordering-token "
     "chain, reshapes/copies around the collective (AlltoAll splits and stacks its chunks; "
     "ReduceScatter is all-to-all + local sum on CPU as in raw TF). Both are timed interleaved in "
-    "the same processes, order rotated every iteration; the ratio is the median of per-iteration "
-    "ratios (the ratio of medians is in the JSON).",
+    "the same processes, order rotated every iteration, each step timed from an untimed barrier "
+    "(so a step whose ranks finish unevenly, like a broadcast's root before its receivers, does not "
+    "charge the skew to the next step); the ratio is the median of per-iteration ratios (the ratio "
+    "of medians is in the JSON).",
     "**MPI** (mpi4py + MPICH from PyPI) uses shared memory between processes: the reference for what "
     "this machine can move. It runs as its own mpiexec job (TF workers cannot join an MPI world), "
     "once before and once after the TensorFlow jobs; the table shows the median of both runs' medians.",
