@@ -35,6 +35,7 @@ from tensorflow.python.ops import resource_variable_ops
 from keras_comm import config
 from keras_comm import errors
 from keras_comm import topology
+from keras_comm.ops import _fusion
 
 _MERGE_OPS = {"sum": "Add", "prod": "Mul", "max": "Max", "min": "Min"}
 
@@ -277,6 +278,7 @@ def _ordered(call, kind, launch, **attrs):
     """
     if call.symbolic:
         return _stand_in(kind, attrs["t"], call)
+    _fusion.settle([attrs["t"]])
     info = _record(call, kind)
     if kind != "check" and config.get_check_calls():
         detail = f" {attrs['merge_op']}" if "merge_op" in attrs else ""
@@ -298,8 +300,16 @@ def _ordered(call, kind, launch, **attrs):
         )
 
 
-def all_reduce(x, call, op="sum"):
-    """Elementwise reduction of `x` over the group; every member gets it."""
+def all_reduce(x, call, op="sum", fusion=0):
+    """Elementwise reduction of `x` over the group; every member gets it.
+
+    With ``fusion > 0`` inside a `_fusion.fusion_scope` (graph mode), the
+    reduction is deferred and packed with the other members of that fusion
+    group; see `keras_comm.ops._fusion`.
+    """
+    deferred = _fusion.defer(x, call, op, fusion) if fusion else None
+    if deferred is not None:
+        return deferred
     return _ordered(
         call,
         "all_reduce",
@@ -382,6 +392,7 @@ def broadcast(x, call, root_index):
     """
     if call.size == 1 or call.symbolic:
         return tf.identity(x)
+    _fusion.settle([x])
     info = _record(call, "broadcast")
     if config.get_check_calls():
         checked = _check_call(x, call, "broadcast", f" root {root_index}")
@@ -422,6 +433,7 @@ def send(x, call, dest, tag=0):
     """
     if call.symbolic:
         return tf.identity(x)
+    _fusion.settle([x])
     info = _record(call, "send")
     key, instance = call._keys(_pair_key(call.replica.rank, dest, tag))
 
@@ -443,6 +455,7 @@ def recv(shape, dtype, call, src, tag=0):
     """Receives a tensor of `shape`/`dtype` sent by global rank `src`."""
     if call.symbolic:
         return tf.zeros(shape, dtype)
+    _fusion.settle([])
     info = _record(call, "recv")
     key, instance = call._keys(_pair_key(call.replica.rank, src, tag))
 
