@@ -3,6 +3,7 @@
 import keras
 
 from keras_comm.layers._base import CollectiveLayer
+from keras_comm.ops._fusion import validate_fusion
 from keras_comm.ops.all_reduce import all_reduce
 from keras_comm.ops.reduce_op import ReduceOp
 
@@ -22,15 +23,17 @@ class AllReduce(CollectiveLayer):
     Outside any strategy the layer is the identity.
 
     Fusion: call the layer on a list (or dict) of tensors to all-reduce them
-    in ONE transfer per dtype (forward and backward). The `fusion` id is the
-    reference's fusion-group attribute; it is validated and serialized, but
-    separate layer calls with the same id are **not** fused today.
+    in ONE transfer per dtype (forward and backward). Separate AllReduce and
+    MirrorOperator layers given the same `fusion` id > 0 (the reference's
+    fusion-group attribute) are packed into one transfer per step when they
+    do not depend on each other (forward, and backward separately), in
+    `model.fit`/`evaluate`/`predict` and inside `keras_comm.ops.fusion_scope`.
+    Values are the same as unfused. See `keras_comm.ops.all_reduce`.
 
     Args:
         op: a `keras_comm.ops.ReduceOp` or "sum", "prod", "max", "min".
         group: None (all replicas) or a list of global ranks.
         fusion: int >= 0, the reference's fusion group id (0: no fusion).
-            Recorded only; see above.
         timeout: seconds before a missing peer raises DeadlineExceeded;
             None for `keras_comm.get_timeout()`.
         **kwargs: base `keras.layers.Layer` arguments (name, dtype, ...).
@@ -54,15 +57,16 @@ class AllReduce(CollectiveLayer):
     def __init__(self, op="sum", group=None, fusion=0, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
         self.op = ReduceOp.from_value(op)
-        if isinstance(fusion, bool) or not isinstance(fusion, int):
-            raise TypeError(f"`fusion` must be an int >= 0. Received: fusion={fusion!r}")
-        if fusion < 0:
-            raise ValueError(f"`fusion` must be an int >= 0. Received: fusion={fusion!r}")
-        self.fusion = fusion
+        self.fusion = validate_fusion(fusion)
 
     def call(self, inputs):
         return all_reduce(
-            inputs, self.op, self.group, timeout=self.timeout, name=self.name
+            inputs,
+            self.op,
+            self.group,
+            fusion=self.fusion,
+            timeout=self.timeout,
+            name=self.name,
         )
 
     def get_config(self):

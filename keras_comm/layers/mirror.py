@@ -12,6 +12,7 @@ import keras
 from keras_comm import config
 from keras_comm import topology
 from keras_comm.ops import mirror as mirror_ops
+from keras_comm.ops._fusion import validate_fusion
 
 
 def _check_group(group):
@@ -149,9 +150,16 @@ class MirrorOperator(_Mirror):
     ``tf.IndexedSlices`` dy is all-gathered (indices and values) instead.
     See `keras_comm.ops.mirror_operator`.
 
+    Fusion: MirrorOperator and AllReduce layers given the same `fusion`
+    id > 0 (the reference's fusion attribute) send their backward
+    reductions in one transfer per step (per group and dtype) in `model.fit`
+    and inside `keras_comm.ops.fusion_scope`; values are unchanged. Sparse
+    gradients are not fused.
+
     Args:
         mean_flag: divide the reduced gradient by the group size.
         group: None (all replicas) or a list of global ranks.
+        fusion: int >= 0, the fusion group id (0: no fusion).
         timeout: seconds before a missing peer raises an error; None for
             `keras_comm.get_timeout()`.
 
@@ -166,10 +174,24 @@ class MirrorOperator(_Mirror):
     ```
     """
 
+    def __init__(self, mean_flag=True, group=None, fusion=0, timeout=None, **kwargs):
+        super().__init__(mean_flag=mean_flag, group=group, timeout=timeout, **kwargs)
+        self.fusion = validate_fusion(fusion)
+
     def call(self, inputs):
         return mirror_ops.mirror_operator(
-            inputs, self.mean_flag, self.group, timeout=self.timeout, name=self.name
+            inputs,
+            self.mean_flag,
+            self.group,
+            fusion=self.fusion,
+            timeout=self.timeout,
+            name=self.name,
         )
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_["fusion"] = self.fusion
+        return config_
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")

@@ -1,5 +1,6 @@
 """Differentiable collectives (no Keras): forward plus an exact backward."""
 
+from keras_comm.ops._fusion import fusion_scope
 from keras_comm.ops.all_reduce import all_reduce
 from keras_comm.ops.all_swap import all_swap
 from keras_comm.ops.all_to_all import all_to_all
@@ -38,6 +39,7 @@ __all__ = [
     "broadcast",
     "collective_gather",
     "collective_scatter",
+    "fusion_scope",
     "get_tensor_slice",
     "halo_rank_ids",
     "host_all_gather",

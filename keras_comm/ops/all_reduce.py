@@ -7,6 +7,7 @@ a nest of tensors (one transfer per dtype).
 import tensorflow as tf
 
 from keras_comm.ops import _collective
+from keras_comm.ops import _fusion
 from keras_comm.ops.reduce_op import ReduceOp
 
 # Dtypes TF's collectives accept (checked on CPU, TF 2.21). all_gather_v2 and
@@ -115,13 +116,20 @@ def all_gather_indexed_slices(slices, call):
     )
 
 
-def _all_reduce_dense(x, op, call):
-    """One differentiable all-reduce of one tensor (call is not trivial)."""
+def _all_reduce_dense(x, op, call, fusion=0):
+    """One differentiable all-reduce of one tensor (call is not trivial).
+
+    `fusion` > 0 packs the forward reduction and the backward SUM of dy with
+    the other members of that fusion group (see `_fusion`).
+    """
+
+    def reduce_sum(t):
+        return _collective.all_reduce(t, call, "sum", fusion)
 
     @tf.custom_gradient
     def fn(x):
         y = _collective.run(
-            lambda: _collective.all_reduce(x, call, op.value) if call.member else x
+            lambda: _collective.all_reduce(x, call, op.value, fusion) if call.member else x
         )
 
         def grad(dy):
@@ -132,19 +140,16 @@ def _all_reduce_dense(x, op, call):
                 )
             dy = tf.convert_to_tensor(dy)
             if op is ReduceOp.SUM:
-                return _collective.run(
-                    lambda: _collective.all_reduce(dy, call, "sum") if call.member else dy
-                )
+                return _collective.run(lambda: reduce_sum(dy) if call.member else dy)
             if op is ReduceOp.PROD:
                 return _collective.run(
-                    lambda: _prod_grad(x, dy, call) if call.member else dy
+                    lambda: _prod_grad(x, reduce_sum(dy), call) if call.member else dy
                 )
             # MAX / MIN: the full summed gradient goes to every member whose x
             # equals the result; on ties every tied member gets all of it
             # (the reference's convention; a subgradient would split it).
             return _collective.run(
-                lambda: _collective.all_reduce(dy, call, "sum")
-                * tf.cast(tf.equal(x, y), dy.dtype)
+                lambda: reduce_sum(dy) * tf.cast(tf.equal(x, y), dy.dtype)
                 if call.member
                 else dy
             )
@@ -154,7 +159,7 @@ def _all_reduce_dense(x, op, call):
     return fn(x)
 
 
-def _prod_grad(x, dy, call):
+def _prod_grad(x, summed_dy, call):
     # d(prod_t x_t)/dx_r = prod_{t != r} x_t, computed as an exclusive product
     # of the gathered inputs (prefix times suffix): exact, and finite when some
     # x are zero, where the reference's out / x is NaN. Costs one all-gather.
@@ -162,10 +167,10 @@ def _prod_grad(x, dy, call):
     others = tf.math.cumprod(gathered, axis=0, exclusive=True) * tf.math.cumprod(
         gathered, axis=0, exclusive=True, reverse=True
     )
-    return _collective.all_reduce(dy, call, "sum") * others[call.index]
+    return summed_dy * others[call.index]
 
 
-def _fused(values, op, call, what):
+def _fused(values, op, call, what, fusion=0):
     """All-reduces a flat list of tensors with one collective per dtype."""
     out = list(values)
     by_dtype = {}
@@ -181,11 +186,11 @@ def _fused(values, op, call, what):
                 out[i] = tf.identity(values[i])
             continue
         if len(idxs) == 1:
-            out[idxs[0]] = _all_reduce_dense(values[idxs[0]], op, call)
+            out[idxs[0]] = _all_reduce_dense(values[idxs[0]], op, call, fusion)
             continue
         parts = [values[i] for i in idxs]
         packed = tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
-        reduced = _all_reduce_dense(packed, op, call)
+        reduced = _all_reduce_dense(packed, op, call, fusion)
         pieces = tf.split(reduced, [tf.size(p) for p in parts])
         for i, p, piece in zip(idxs, parts, pieces):
             out[i] = tf.reshape(piece, tf.shape(p))
@@ -206,7 +211,7 @@ def _sparse(x, op, call, what):
     )
 
 
-def all_reduce(x, op="sum", group=None, *, timeout=None, name=None):
+def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     """Reduces `x` elementwise over the group; every member gets the result.
 
     Forward: ``y = op(x_0, ..., x_{n-1})`` on every member.
@@ -228,10 +233,19 @@ def all_reduce(x, op="sum", group=None, *, timeout=None, name=None):
     ``tf.IndexedSlices`` (e.g. ``tf.gather(y, ids)`` downstream) all-gathers
     that gradient the same way instead of densifying it.
 
-    Fusion: `x` may be a list, tuple or dict (any `tf.nest` structure) of
-    tensors. Tensors of one dtype are flattened, concatenated, reduced with
-    ONE collective and split back; so is their gradient. The result has the
-    structure of `x`.
+    Fusion, within one call: `x` may be a list, tuple or dict (any `tf.nest`
+    structure) of tensors. Tensors of one dtype are flattened, concatenated,
+    reduced with ONE collective and split back; so is their gradient. The
+    result has the structure of `x`.
+
+    Fusion across calls: all-reduces with the same ``fusion`` id > 0 traced
+    in one `fusion_scope` (every `model.fit`/`evaluate`/`predict` step is one)
+    are packed into ONE collective per (group, op, dtype) -- forward and,
+    separately, backward -- the reference's ``fusion`` attribute. An
+    all-reduce whose input depends on an earlier member's output starts a new
+    pack (it cannot travel with what it waits for). Values are identical to
+    unfused calls. In eager mode, nested control flow or with call checking
+    on, each call runs on its own. Sparse inputs/gradients are not fused.
 
     Ranks outside `group` get `x` back unchanged, and their gradient passes
     through unchanged. With a group of one (e.g. outside any strategy) this
@@ -244,6 +258,7 @@ def all_reduce(x, op="sum", group=None, *, timeout=None, name=None):
         x: a tensor, a ``tf.IndexedSlices``, or a nest of them.
         op: a `ReduceOp` or "sum", "prod", "max", "min".
         group: None (all replicas), a list of global ranks or a `Group`.
+        fusion: int >= 0, the fusion group id; 0 (default) never fuses.
         timeout: seconds before a missing peer raises DeadlineExceeded;
             None for `keras_comm.get_timeout()`.
         name: name used in the collective ops' names (a layer's name).
@@ -252,11 +267,12 @@ def all_reduce(x, op="sum", group=None, *, timeout=None, name=None):
         The reduced value(s), same structure, shapes and dtypes as `x`.
 
     Raises:
-        ValueError: unknown `op`, a group outside the world, or a sparse
-            input with an op other than SUM.
-        TypeError: an unsupported dtype.
+        ValueError: unknown `op`, a group outside the world, a negative
+            `fusion`, or a sparse input with an op other than SUM.
+        TypeError: an unsupported dtype, or a non-int `fusion`.
     """
     op = ReduceOp.from_value(op)
+    fusion = _fusion.validate_fusion(fusion)
     what = _what("all_reduce", name)
     call = _collective.resolve(group, timeout, name)
     if isinstance(x, tf.IndexedSlices):
@@ -268,9 +284,9 @@ def all_reduce(x, op="sum", group=None, *, timeout=None, name=None):
         ]
         for v in flat:
             _check_dtype(v.values if isinstance(v, tf.IndexedSlices) else v, what)
-        return tf.nest.pack_sequence_as(x, _fused(flat, op, call, what))
+        return tf.nest.pack_sequence_as(x, _fused(flat, op, call, what, fusion))
     x = tf.convert_to_tensor(x)
     _check_dtype(x, what)
     if call.trivial:
         return tf.identity(x)
-    return _all_reduce_dense(x, op, call)
+    return _all_reduce_dense(x, op, call, fusion)

@@ -29,6 +29,7 @@ mixed_float16 policy); gradients are cast in and out.
 import tensorflow as tf
 
 from keras_comm.ops import _collective
+from keras_comm.ops import _fusion
 from keras_comm.ops.all_reduce import all_gather_indexed_slices
 
 # all_to_all_v2 / all_gather_v2 reject some half types on CPU; float32 holds
@@ -146,7 +147,7 @@ def _branch(pred, true_fn, false_fn):
 # ---------------------------------------------------------------------------
 
 
-def mirror_operator(x, mean_flag=True, group=None, *, timeout=None, name=None):
+def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, name=None):
     """Marks `x` as a copy of a parameter mirrored over the group.
 
     Forward: identity.
@@ -163,10 +164,18 @@ def mirror_operator(x, mean_flag=True, group=None, *, timeout=None, name=None):
     gradient passes through unchanged. With a group of one this is
     ``tf.identity`` both ways (no scaling).
 
+    Fusion: mirrors (and all-reduces) with the same ``fusion`` id > 0 traced
+    in one `fusion_scope` -- every `model.fit` step is one -- send their
+    dense backward reductions as ONE collective per (group, dtype), as
+    MindSpore's fusion attribute and Horovod's tensor fusion do. Mirrors of
+    parameters always qualify: their gradients do not depend on each other.
+    See `keras_comm.ops.all_reduce` for the rules.
+
     Args:
         x: a floating tensor (a parameter or its copy).
         mean_flag: divide the reduced gradient by the group size.
         group: None (all replicas), a list of global ranks or a `Group`.
+        fusion: int >= 0, the fusion group id; 0 (default) never fuses.
         timeout: seconds before a missing peer raises DeadlineExceeded.
         name: name for the collective ops (a layer's name).
 
@@ -174,10 +183,12 @@ def mirror_operator(x, mean_flag=True, group=None, *, timeout=None, name=None):
         `x`, unchanged.
 
     Raises:
-        TypeError: a non-floating `x` or a non-bool `mean_flag`.
-        ValueError: a group outside the world.
+        TypeError: a non-floating `x`, a non-bool `mean_flag` or a non-int
+            `fusion`.
+        ValueError: a group outside the world or a negative `fusion`.
     """
     _check_mean_flag(mean_flag)
+    fusion = _fusion.validate_fusion(fusion)
     x = tf.convert_to_tensor(x)
     _check_float(x, _what("mirror_operator", name))
     call = _collective.resolve(group, timeout, name)
@@ -196,7 +207,9 @@ def mirror_operator(x, mean_flag=True, group=None, *, timeout=None, name=None):
                 return _collective.run(lambda: sparse() if call.member else dy)
             dy = _dense(dy)
             return _collective.run(
-                lambda: _scale(_all_reduce_sum(dy, call), mean_flag, call) if call.member else dy
+                lambda: _scale(_collective.all_reduce(dy, call, "sum", fusion), mean_flag, call)
+                if call.member
+                else dy
             )
 
         return tf.identity(x), grad
