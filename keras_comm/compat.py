@@ -72,6 +72,8 @@ Scope and limits:
 import keras
 import tensorflow as tf
 
+from keras_comm.ops._fusion import fusion_scope
+
 __all__ = [
     "apply",
     "is_applied",
@@ -246,7 +248,10 @@ def _make_function(self, step_function):
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
-        outputs = strategy.run(step_on_replica, args=(data,))
+        # One fusion scope per step: all-reduces and mirrors sharing a
+        # `fusion` id are packed (see keras_comm.ops.fusion_scope).
+        with fusion_scope():
+            outputs = strategy.run(step_on_replica, args=(data,))
         return _reduce_step_outputs(self, strategy, outputs)
 
     if not self.run_eagerly:
@@ -429,11 +434,18 @@ def train_step_gradients(model, data):
     """
     # Imported here: private Keras modules, resolved once the version guard
     # has accepted this Keras.
-    from keras.src import tree
-    from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    # The step's fusion groups are packed when the scope closes, before the
+    # gradients are used (see keras_comm.ops.fusion_scope).
+    with fusion_scope():
+        return _gradients_and_logs(model, x, y, sample_weight)
+
+
+def _gradients_and_logs(model, x, y, sample_weight):
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
 
     # Forward pass
     with tf.GradientTape() as tape:
