@@ -8,6 +8,8 @@ the op's custom backward computes by communicating) must equal
 list of all replicas' inputs, in float64.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -26,18 +28,23 @@ def _loss(rank, y):
     return tf.reduce_sum(loss_weights(rank, tf.shape(y), y.dtype) * y)
 
 
-def distributed(strategy, op_fn, make_input, mode="function"):
-    """Runs op_fn on every replica; returns [(y_r, dloss/dx_r)] as numpy."""
+def distributed(strategy, op_fn, make_input, mode="function", scope=contextlib.nullcontext):
+    """Runs op_fn on every replica; returns [(y_r, dloss/dx_r)] as numpy.
+
+    `scope` is a context manager factory entered around each replica's
+    forward and backward pass (e.g. `keras_comm.ops.fusion_scope`).
+    """
     n = strategy.num_replicas_in_sync
 
     def replica_fn():
         rank = keras_comm.rank()
         x = tf.constant(make_input(rank, n))
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = op_fn(x)
-            loss = _loss(rank, y)
-        grad = tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with scope():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = op_fn(x)
+                loss = _loss(rank, y)
+            grad = tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return y, grad
 
     return run_replicas(strategy, replica_fn, mode=mode)
@@ -55,7 +62,16 @@ def reference(n, reference_fn, make_input):
     return [(np.asarray(y), np.asarray(g)) for y, g in zip(ys, grads)]
 
 
-def check(strategy, op_fn, reference_fn, make_input, mode="function", rtol=1e-9, atol=1e-12):
+def check(
+    strategy,
+    op_fn,
+    reference_fn,
+    make_input,
+    mode="function",
+    rtol=1e-9,
+    atol=1e-12,
+    scope=contextlib.nullcontext,
+):
     """Asserts forward values and gradients of every replica match the reference.
 
     Args:
@@ -63,11 +79,12 @@ def check(strategy, op_fn, reference_fn, make_input, mode="function", rtol=1e-9,
         op_fn: ``x -> y``, run per replica (may call keras_comm.rank()).
         reference_fn: ``[x_0 .. x_{n-1}] -> [y_0 .. y_{n-1}]`` in plain TF.
         make_input: ``(rank, n) -> np.ndarray`` (rank-encoded, float64).
+        scope: as in `distributed`.
     Returns:
         The distributed per-replica results [(y_r, g_r)].
     """
     n = strategy.num_replicas_in_sync
-    got = distributed(strategy, op_fn, make_input, mode=mode)
+    got = distributed(strategy, op_fn, make_input, mode=mode, scope=scope)
     want = reference(n, reference_fn, make_input)
     for r, ((y, g), (y_ref, g_ref)) in enumerate(zip(got, want)):
         np.testing.assert_allclose(y, y_ref, rtol=rtol, atol=atol, err_msg=f"forward, rank {r}")

@@ -1,4 +1,8 @@
-"""Mirror and virtual ops across real worker processes (2 and 3 workers)."""
+"""Mirror and virtual ops across real worker processes (2 and 3 workers).
+
+Includes fusion: mirrors and an all-reduce sharing one `fusion` id, packed
+per group, checked against the float64 reference like every other case.
+"""
 
 import pytest
 
@@ -14,4 +18,4 @@ def test_mirror_and_virtual_ops_across_processes(num_workers):
         bad = {k: v for k, v in r["errors"].items() if not v < 1e-9}
         assert not bad, f"rank {rank}: errors above 1e-9: {bad}"
         # Every op ran in both modes.
-        assert len(r["errors"]) == 2 * 12
+        assert len(r["errors"]) == 2 * 13

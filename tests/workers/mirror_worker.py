@@ -6,6 +6,8 @@ and reports the max errors of its own replica, in eager mode and in
 tf.function, for the whole world and for a subgroup.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -51,17 +53,21 @@ def per_replica(shape, dtype=tf.float64):
         )
 
 
-def linear_case(op, ref):
-    """Stateless op: loss_r = sum(w_r * y_r); compare y and dx with the float64 reference."""
+def linear_case(op, ref, scope=contextlib.nullcontext):
+    """Stateless op: loss_r = sum(w_r * y_r); compare y and dx with the float64 reference.
+
+    `scope` wraps the forward and backward pass (e.g. `ops.fusion_scope`).
+    """
 
     def fn(t):
         r = keras_comm.rank()
         x = tf.constant(inp(r))
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = op(x)
-            loss = tf.reduce_sum(tf.constant(weights(r, y.shape)) * y)
-        return y, tape.gradient(loss, x)
+        with scope():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = op(x)
+                loss = tf.reduce_sum(tf.constant(weights(r, y.shape)) * y)
+            return y, tape.gradient(loss, x)
 
     def reference():
         xs = [tf.constant(inp(r)) for r in range(N)]
@@ -89,6 +95,29 @@ def tied(members, scale):
 
 def scaled(x, scale):
     return x * scale + tf.stop_gradient(x * (1 - scale))
+
+
+def fused(x):
+    """Mirrors and an all-reduce sharing fusion id 1 (world and subgroup packs)."""
+    a, b, c = tf.split(x, 3)
+    sub = [0, N - 1]
+    return tf.concat(
+        [
+            ops.mirror_operator(a, fusion=1) ** 2,
+            ops.all_reduce(b * b, fusion=1),
+            ops.mirror_operator(c, mean_flag=False, group=sub, fusion=1),
+        ],
+        0,
+    )
+
+
+def fused_reference(xs):
+    parts = [tf.split(x, 3) for x in xs]
+    sub = [0, N - 1]
+    ta = tied(list(range(N)), 1.0 / N)([p[0] for p in parts])
+    tc = tied(sub, 1.0)([p[2] for p in parts])
+    b = tf.add_n([p[1] * p[1] for p in parts])
+    return [tf.concat([ta[r] ** 2, b, tc[r]], 0) for r in range(N)]
 
 
 def stateless_cases():
@@ -119,6 +148,7 @@ def stateless_cases():
             lambda xs: [tf.stop_gradient(x[r * size : (r + 1) * size]) for r, x in enumerate(xs)],
         ),
         "virtual_div": linear_case(lambda x: ops.virtual_div(x, 4), lambda xs: [scaled(x, 0.25) for x in xs]),
+        "fused_mirrors_and_all_reduce": linear_case(fused, fused_reference, ops.fusion_scope),
     }
 
 
