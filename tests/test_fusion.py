@@ -371,3 +371,21 @@ def test_scope_outside_functions_is_a_no_op():
     with kc_ops.fusion_scope():
         y = kc_ops.all_reduce(tf.ones([2]), fusion=1)
     np.testing.assert_array_equal(y, [1.0, 1.0])
+
+
+def test_error_inside_scope_is_not_masked_and_scope_is_dropped():
+    strategy = make_strategy(2)
+
+    def step():
+        kc_ops.all_reduce(tf.ones([2]), fusion=1)
+        raise ValueError("boom")
+
+    @tf.function
+    def traced():
+        with kc_ops.fusion_scope():
+            strategy.run(step)
+
+    with pytest.raises(ValueError, match="boom"):
+        traced.get_concrete_function()
+    # The next trace starts clean and works.
+    assert _count(strategy, _squares_step((1, 1, 1))) == 2

@@ -73,6 +73,10 @@ class _Scope:
         self.buckets = {}  # key -> _Bucket, in creation order
         self.stand_in_ops = {}  # stand-in op -> its bucket key
         self.first_id = None  # smallest stand-in op id (older ops cannot depend on one)
+        # Ops known to reach no pending stand-in. Every search ends by
+        # flushing the buckets it reached, so everything it visited is clean
+        # from then on: the searches of one step visit each op once.
+        self.clean = set()
 
 
 def _scope_of(graph):
@@ -112,16 +116,21 @@ def fusion_scope():
             scope = _Scope(graph)
             setattr(graph, _SCOPE_ATTR, scope)
         scope.depth += 1
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True  # the trace is abandoned: nothing to issue
+        raise
     finally:
         with _lock:
             scope.depth -= 1
             last = scope.depth == 0
         if last:
             try:
-                with graph.as_default():
-                    _flush(scope, list(scope.buckets))
+                if not failed:
+                    with graph.as_default():
+                        _flush(scope, list(scope.buckets))
             finally:
                 delattr(graph, _SCOPE_ATTR)
 
@@ -182,12 +191,13 @@ def settle(tensors):
 def _keys_reached(scope, tensors):
     """Keys of the buckets with a stand-in among the ancestors of `tensors`."""
     first = scope.first_id
+    clean = scope.clean
     found = set()
     seen = set()
     stack = [t.op for t in tensors if isinstance(t, tf.Tensor) and t.graph is scope.graph]
     while stack:
         op = stack.pop()
-        if op in seen or op._id < first:  # pylint: disable=protected-access
+        if op in seen or op in clean or op._id < first:  # pylint: disable=protected-access
             continue
         seen.add(op)
         key = scope.stand_in_ops.get(op)
@@ -195,6 +205,7 @@ def _keys_reached(scope, tensors):
             found.add(key)
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
+    clean.update(seen)  # the caller flushes everything found
     return [k for k in scope.buckets if k in found]
 
 
