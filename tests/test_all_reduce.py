@@ -218,6 +218,18 @@ def test_fused_nest_is_one_collective_per_dtype_each_way():
     assert count == 2 * 2 * 2
 
 
+@pytest.mark.inprocess
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_gradient_through_tf_cond(strategy, op):
+    # The collective sits in a tf.cond branch; its gradient is built in the
+    # cond's gradient graph (the ordering token must be captured through the
+    # enclosing function, not as an eager tensor).
+    def op_fn(x):
+        return tf.cond(tf.reduce_sum(x) > -1e9, lambda: kc_ops.all_reduce(x, op), lambda: x)
+
+    _gradcheck.check(strategy, op_fn, _reference(op), _distinct, mode="function")
+
+
 # ---------------------------------------------------------------------------
 # Sparse.
 # ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import zlib
 
 import tensorflow as tf
 from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import gen_collective_ops
 from tensorflow.python.ops import resource_variable_ops
@@ -53,6 +54,27 @@ def _ordering_token(device):
                 )
             _tokens[device] = token
         return token
+
+
+def _handle_in_graph(token):
+    """The token's resource handle, captured by the outermost function graph.
+
+    Inside a nested graph (a `tf.cond` branch, or the gradient of one) a
+    direct use of the eagerly created handle makes that graph capture an
+    eager tensor, which cond_v2's gradient cannot resolve. Capturing it in
+    the outermost function first gives nested graphs a graph tensor to
+    capture, as they do for ordinary variables.
+    """
+    handle = token.handle
+    graph = tf_ops.get_default_graph()
+    outer = getattr(graph, "outer_graph", None)
+    if tf.executing_eagerly() or outer is None or not graph.building_function:
+        return handle
+    while getattr(outer, "outer_graph", None) is not None and outer.building_function:
+        graph, outer = outer, outer.outer_graph
+    if not graph.building_function:
+        return handle
+    return graph.capture(handle)
 
 
 def _local_replica_count():
@@ -294,7 +316,7 @@ def _ordered(call, kind, launch, **attrs):
             instance_key=instance,
             communication_hint=_hint(),
             timeout=_timeout(call.timeout),
-            ordering_token=token.handle,
+            ordering_token=_handle_in_graph(token),
             name=_op_name(call.name, kind),
             **attrs,
         )
