@@ -140,7 +140,6 @@ class _Barrier:
 
         n = strategy.num_replicas_in_sync
         device = device_util.canonicalize("/device:CPU:0", device_util.current())
-        self._key = 0
 
         def step(k):
             with tf.device(device):
@@ -151,11 +150,16 @@ class _Barrier:
 
         self._fn = tf.function(lambda k: strategy.run(step, args=(k,)))
 
+    # Instance keys must never repeat within the barrier's group, across
+    # every _Barrier of the process (each benchmark family builds its own).
+    _next = 1
+
     def __call__(self):
         import tensorflow as tf
 
-        self._key += 1
-        self._fn(tf.constant(self._key, tf.int32))
+        key = _Barrier._next
+        _Barrier._next += 1
+        self._fn(tf.constant(key, tf.int32))
 
 
 def _layer(op, n):
@@ -261,6 +265,33 @@ def _build_steps(strategy, op, size_mb, n, rank):
     return {name: caller(name) for name in fns}, size_bytes
 
 
+def time_interleaved(calls, barrier, iters, warmup):
+    """Times the steps in `calls` ({name: no-argument callable}) side by side.
+
+    Each iteration runs every step once, the order rotated every iteration
+    so no variant always runs first (every rank uses the same order), each
+    call timed from right after `barrier()`, which keeps one step's uneven
+    end across ranks out of the next step's time.
+
+    Returns:
+        {name: [seconds]}, `iters` timings per name.
+    """
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            barrier()
+            calls[name]()
+    times = {name: [] for name in names}
+    for i in range(iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            barrier()
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def measure(strategy, ops, sizes_mb, iters, warmup, log=print):
     """Times every variant of every (op, size) on this rank.
 
@@ -278,22 +309,7 @@ def measure(strategy, ops, sizes_mb, iters, warmup, log=print):
         out[op] = {}
         for size_mb in sizes_mb:
             calls, size_bytes = _build_steps(strategy, op, size_mb, n, rank)
-            names = list(calls)
-            for _ in range(warmup):
-                for name in names:
-                    barrier()
-                    calls[name]()
-            times = {name: [] for name in names}
-            for i in range(iters):
-                # Rotate the order so no variant always runs first; every
-                # rank uses the same order. The barrier keeps one step's
-                # uneven end across ranks out of the next step's time.
-                shift = i % len(names)
-                for name in names[shift:] + names[:shift]:
-                    barrier()
-                    start = time.perf_counter()
-                    calls[name]()
-                    times[name].append(time.perf_counter() - start)
+            times = time_interleaved(calls, barrier, iters, warmup)
             out[op][_size_key(size_mb)] = {"size_bytes": size_bytes, "times": times}
             if rank == 0:
                 med = {k: f"{_stats.summary(v)['median_s'] * 1e3:.1f}ms" for k, v in times.items()}
