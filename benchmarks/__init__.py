@@ -10,6 +10,8 @@ Modules, one per benchmark family:
   (forward and forward+backward) against the raw TF collective doing the same
   communication, timed interleaved in the same processes; layer overhead
   ratios; ReduceScatter (all-to-all + local sum) against all-reduce + slice.
+* `benchmarks.fusion` -- fusion groups: the backward all-reduces of M
+  mirrored parameters unfused, fused by keras_comm, and packed by raw TF.
 * `benchmarks.mpi` -- the same collectives through mpi4py (MPICH), the
   reference for what this machine's processes can exchange.
 * `benchmarks.training` -- `model.fit` throughput and scaling; the

@@ -11,8 +11,9 @@ MPI job through mpiexec before and after them. Writes to ``--out``:
 * ``raw/``            -- per-rank timings; ``run.log`` -- all worker output.
 
 Modes: default (full: 1/4/16/64 MB, >= 10 timed iterations, training on
-1/2/4 workers), ``--quick`` (under 5 minutes: 2 workers, 1 and 16 MB),
-``--smoke`` (structure only, for the test suite). ``--docs`` copies the
+1/2/4 workers, fusion of 8/32/128 mirrors of 4 and 16 MB in all),
+``--quick`` (under 5 minutes: 2 workers, 1 and 16 MB), ``--smoke``
+(structure only, for the test suite). ``--docs`` copies the
 table and plots into docs/performance/.
 
 The driver itself never imports TensorFlow: the launcher is loaded from its
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from benchmarks import _stats
 from benchmarks import collectives
+from benchmarks import fusion
 from benchmarks import mpi
 from benchmarks import report
 from benchmarks import training
@@ -48,18 +50,21 @@ MODES = {
         "training_workers": [1, 2, 4], "models": ["mlp", "cnn"],
         "scaling_steps": 20, "scaling_rounds": 3,
         "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2], [4, 2]], "po_steps": 24, "po_rounds": 3,
+        "fusion_counts": [8, 32, 128], "fusion_sizes_mb": [4, 16],
     },
     "quick": {
         "sizes_mb": [1, 16], "iters": 10, "warmup": 1, "workers": [2],
         "training_workers": [1, 2], "models": ["mlp", "cnn"],
         "scaling_steps": 10, "scaling_rounds": 2,
         "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2]], "po_steps": 12, "po_rounds": 2,
+        "fusion_counts": [8, 128], "fusion_sizes_mb": [4],
     },
     "smoke": {
         "sizes_mb": [0.25], "iters": 3, "warmup": 1, "workers": [2],
         "training_workers": [2], "models": ["mlp"],
         "scaling_steps": 4, "scaling_rounds": 1,
         "po_configs": [[1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
+        "fusion_counts": [8], "fusion_sizes_mb": [0.25],
     },
 }
 PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
@@ -119,7 +124,8 @@ def _loadavg():
 class _Tee:
     """Text stream: everything to the log, benchmark progress lines to the console."""
 
-    def __init__(self, log, console, markers=("] [collectives", "] [scaling", "] [parallel_optimizer")):
+    def __init__(self, log, console,
+                 markers=("] [collectives", "] [fusion", "] [scaling", "] [parallel_optimizer")):
         self.log = log
         self.console = console
         self.markers = markers
@@ -155,6 +161,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-mpi", action="store_true", help="skip the MPI reference")
     parser.add_argument("--no-training", action="store_true", help="skip the training benchmarks")
     parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
+    parser.add_argument("--no-fusion", action="store_true", help="skip the fusion-group benchmark")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md and the plots into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -188,6 +195,11 @@ def _job_spec(args, n):
     if not args.no_collectives and n in p["workers"]:
         spec["collectives"] = {
             "ops": args.ops, "sizes_mb": p["sizes_mb"], "iters": p["iters"], "warmup": p["warmup"],
+        }
+    if not args.no_fusion and n == p["workers"][0]:
+        spec["fusion"] = {
+            "counts": p["fusion_counts"], "sizes_mb": p["fusion_sizes_mb"],
+            "iters": p["iters"], "warmup": p["warmup"],
         }
     if not args.no_training and n in p["training_workers"]:
         spec["scaling"] = {
@@ -355,6 +367,16 @@ def main(argv=None):
         results["collectives"] = coll
         results["reduce_scatter"] = collectives.reduce_scatter_comparison(
             {int(n): v for n, v in coll.items() if "error" not in v}
+        )
+
+    # Fusion groups.
+    if not args.no_fusion:
+        n0 = p["workers"][0]
+        job = job_results.get(n0)
+        error = _family_error(job, "fusion")
+        results["fusion"] = (
+            {"workers": n0, "error": error} if error
+            else fusion.summarize([r["fusion"] for r in job["ranks"]], n0)
         )
 
     # Training.

@@ -61,6 +61,13 @@ def main(argv=None):
             yield "collectives", lambda: collectives.measure(
                 strategy, c["ops"], c["sizes_mb"], c["iters"], c["warmup"], log=log
             )
+        if "fusion" in spec:
+            from benchmarks import fusion
+
+            f = spec["fusion"]
+            yield "fusion", lambda: fusion.measure(
+                strategy, f["counts"], f["sizes_mb"], f["iters"], f["warmup"], log=log
+            )
         if "scaling" in spec:
             from benchmarks import training
 

@@ -4,7 +4,8 @@
 workers, plus an MPI job when mpi4py is installed) with tiny sizes; the test
 checks the output's structure only. Speed is never asserted.
 
-Also unit tests of the pure helpers in `benchmarks._stats`.
+Also unit tests of the pure helpers in `benchmarks._stats` and of the
+fusion family's sizes and summary.
 """
 
 import json
@@ -19,6 +20,7 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_DIR))
 
 from benchmarks import _stats  # noqa: E402
+from benchmarks import fusion  # noqa: E402
 
 OPS = set(_stats.OPS)
 VARIANTS = {"layer_fwd", "raw_fwd", "layer_fwd_bwd", "raw_fwd_bwd"}
@@ -46,6 +48,27 @@ def test_per_iteration_max_and_paired_ratio():
     assert _stats.paired_ratio([2, 3, 4], [1, 3, 4]) == 1.0
     assert _stats.bytes_sent_per_rank("all_reduce", 1024, 4) == 1536
     assert _stats.bytes_sent_per_rank("all_to_all", 1024, 4) == 768
+
+
+def test_fusion_parameters_split_the_total_evenly():
+    assert fusion.parameter_shapes(8, 4) == [(512, 256)] * 8  # 8 x 512 KB
+    assert fusion.parameter_shapes(128, 0.25) == [(2, 256)] * 128  # 128 x 2 KB
+    assert fusion.parameter_shapes(4, 0.001) == [(1, 256)] * 4  # at least one row
+
+
+def test_fusion_summary_pairs_iterations_across_ranks():
+    def rank(times):
+        entry = {"size_bytes": 8192, "shape": [1, 256], "collectives_per_replica": {"fused": 1},
+                 "times": times}
+        return {"8": {"0.25": entry}}
+
+    rank0 = rank({"unfused": [4.0, 6.0], "fused": [1.0, 2.0], "raw_packed": [1.0, 1.0]})
+    rank1 = rank({"unfused": [2.0, 8.0], "fused": [2.0, 1.0], "raw_packed": [1.0, 2.0]})
+    row = fusion.summarize([rank0, rank1], 2)["rows"][0]
+    # Slowest rank per iteration: unfused 4, 8; fused 2, 2; raw 1, 2.
+    assert row["count"] == 8 and row["size_mb"] == 0.25
+    assert row["unfused_over_fused"] == 3.0
+    assert row["fused_over_raw_packed"] == 1.5
 
 
 @pytest.mark.multiprocess
@@ -83,6 +106,13 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         assert [r["when"] for r in runs] == ["before", "after"]
         assert all(set(r.get("ops", {})) == OPS for r in runs if "skipped" not in r)
 
+    fused = results["fusion"]
+    assert fused["workers"] == 2 and "error" not in fused, fused
+    for row in fused["rows"]:
+        assert row["collectives_per_replica"] == {"unfused": row["count"], "fused": 1, "raw_packed": 1}
+        assert set(row["variants"]) == {"unfused", "fused", "raw_packed"}
+        assert row["unfused_over_fused"] > 0 and row["fused_over_raw_packed"] > 0
+
     training = results["training"]
     assert training["scaling"][0]["samples_per_s"] > 0
     po = training["parallel_optimizer"]
@@ -95,6 +125,7 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
     markdown = (out / "benchmarks.md").read_text()
     assert "| op | MB |" in markdown
     assert "## 2. Layer overhead" in markdown and "## 4. Training" in markdown
+    assert "## 5. Fusion groups" in markdown and "| M | MB in all |" in markdown
     assert results["plots"]
     for plot in results["plots"]:
         path = Path(plot)

@@ -1,0 +1,192 @@
+"""Fusion groups: what packing the backward all-reduces of M mirrors buys.
+
+Worker side (`measure`, run inside each TensorFlow worker): for M float32
+"parameters" w_1..w_M (equal sizes, S bytes in all) every step is the
+forward and backward of their mirrors -- ``tape.gradient`` of the mirrored
+copies with an upstream gradient dy_i per parameter -- so its communication
+is the M backward all-reduces and nothing else. Three compiled steps run
+interleaved in the same processes, each timed from the untimed barrier of
+`benchmarks.collectives` (order rotated every iteration):
+
+* ``unfused``    -- ``mirror_operator(w, fusion=0)`` each: M all-reduces;
+* ``fused``      -- ``mirror_operator(w, fusion=1)`` inside `fusion_scope`:
+  keras_comm packs them into one all-reduce of the concatenation;
+* ``raw_packed`` -- the raw TF reference: the local gradients flattened,
+  concatenated, sent as ONE ``collective_ops.all_reduce_v2`` (ordering
+  token, as tf.distribute calls it) and split back -- what MWMS does with
+  its gradients under ``bytes_per_pack``.
+
+Before timing, each (M, size) is checked once, and the benchmark fails if
+the check does: the fused step's graph holds exactly one CollectiveReduceV2
+per replica (unfused: M, raw: 1), and the fused, unfused and raw gradients
+agree.
+
+Driver side (`summarize`): per-iteration maximum over ranks, medians, and
+the paired ratios unfused/fused (what fusion buys) and fused/raw_packed
+(what keras_comm's packing costs over TF's).
+"""
+
+from benchmarks import _stats
+from benchmarks import collectives
+
+VARIANTS = ("unfused", "fused", "raw_packed")
+_FUSION_ID = 1
+
+
+def parameter_shapes(count, size_mb):
+    """Shapes of `count` equal float32 parameters totalling about `size_mb` MB.
+
+    Rows of `_stats.COLS` columns, at least one row each.
+    """
+    rows = max(1, round(size_mb * _stats.MIB / (count * _stats.COLS * _stats.ITEMSIZE)))
+    return [(rows, _stats.COLS)] * count
+
+
+def _build_steps(strategy, raw, shapes, rank):
+    """The compiled steps of every variant, their inputs, and one check."""
+    import tensorflow as tf
+
+    from keras_comm import ops as kc_ops
+
+    ws = [tf.random.stateless_uniform(s, seed=[rank, 2 * i + 1]) for i, s in enumerate(shapes)]
+    dys = [tf.random.stateless_uniform(s, seed=[rank, 2 * i + 2]) for i, s in enumerate(shapes)]
+
+    def mirrored(fusion):
+        def step(ws, dys):
+            with tf.GradientTape() as tape:
+                tape.watch(ws)
+                ys = [kc_ops.mirror_operator(w, mean_flag=False, fusion=fusion) for w in ws]
+            return tape.gradient(ys, ws, output_gradients=dys)
+
+        return step
+
+    def fused_step(ws, dys):
+        with kc_ops.fusion_scope():
+            return mirrored(_FUSION_ID)(ws, dys)
+
+    def raw_step(ws, dys, key):
+        with tf.GradientTape() as tape:
+            tape.watch(ws)
+            ys = [tf.identity(w) for w in ws]
+        local = tape.gradient(ys, ws, output_gradients=dys)
+        with tf.device(raw.device):
+            packed = raw.all_reduce(tf.concat([tf.reshape(g, [-1]) for g in local], 0), key)
+            pieces = tf.split(packed, [g.shape.num_elements() for g in local])
+        return [tf.reshape(p, g.shape) for p, g in zip(pieces, local)]
+
+    fns = {
+        "unfused": tf.function(lambda ws, dys: strategy.run(mirrored(0), args=(ws, dys))),
+        "fused": tf.function(lambda ws, dys: strategy.run(fused_step, args=(ws, dys))),
+        "raw_packed": tf.function(lambda ws, dys, k: strategy.run(raw_step, args=(ws, dys, k))),
+    }
+
+    def caller(name):
+        fn = fns[name]
+        if name == "raw_packed":
+            return lambda: fn(ws, dys, raw.keys())
+        return lambda: fn(ws, dys)
+
+    def graphs():
+        """{variant: traced graph}, traced with the arguments the timed calls use."""
+        return {
+            name: (fn.get_concrete_function(ws, dys, raw.keys()) if name == "raw_packed"
+                   else fn.get_concrete_function(ws, dys)).graph
+            for name, fn in fns.items()
+        }
+
+    return {name: caller(name) for name in fns}, graphs
+
+
+def collectives_per_replica(graph, replicas, op_type="CollectiveReduceV2"):
+    """Ops of `op_type` in `graph`, per replica traced into it."""
+    return sum(1 for op in graph.get_operations() if op.type == op_type) / replicas
+
+
+def _check(calls, graphs, count, local_replicas):
+    """Fails loudly unless fusion packs as promised and changes no value.
+
+    Returns:
+        {variant: CollectiveReduceV2 ops per replica in its traced step}.
+    """
+    import numpy as np
+
+    counts = {name: collectives_per_replica(g, local_replicas) for name, g in graphs().items()}
+    expected = {"unfused": count, "fused": 1, "raw_packed": 1}
+    if counts != expected:
+        raise RuntimeError(
+            f"fusion benchmark: CollectiveReduceV2 per replica in the traced steps of {count} "
+            f"mirrors should be {expected}. Received: {counts}"
+        )
+    grads = {name: [g.numpy() for g in calls[name]()] for name in VARIANTS}
+    for name in ("fused", "raw_packed"):
+        for i, (a, b) in enumerate(zip(grads[name], grads["unfused"])):
+            # Same sums; only a ring's chunk boundaries (n > 2) may reorder them.
+            np.testing.assert_allclose(
+                a, b, rtol=1e-6, atol=0,
+                err_msg=f"fusion benchmark: {name} gradient {i} of {count} differs from unfused",
+            )
+    return counts
+
+
+def measure(strategy, counts, sizes_mb, iters, warmup, log=print):
+    """Times the three variants for every (parameter count, total size) on this rank.
+
+    Returns:
+        {str(count): {str(size_mb): {"size_bytes", "shape", "collectives_per_replica",
+        "times": {variant: [seconds]}}}}
+    """
+    n = strategy.num_replicas_in_sync
+    rank = strategy.cluster_resolver.task_id or 0
+    barrier = collectives._Barrier(strategy)  # pylint: disable=protected-access
+    raw = collectives._Raw(n)  # pylint: disable=protected-access
+    out = {}
+    for count in counts:
+        out[str(count)] = {}
+        for size_mb in sizes_mb:
+            shapes = parameter_shapes(count, size_mb)
+            calls, graphs = _build_steps(strategy, raw, shapes, rank)
+            # A worker's graph holds its own replicas only.
+            per_replica = _check(calls, graphs, count, len(strategy.extended.worker_devices))
+            times = collectives.time_interleaved(calls, barrier, iters, warmup)
+            size_bytes = sum(r * c for r, c in shapes) * _stats.ITEMSIZE
+            out[str(count)][f"{size_mb:g}"] = {
+                "size_bytes": size_bytes, "shape": list(shapes[0]),
+                "collectives_per_replica": per_replica, "times": times,
+            }
+            if rank == 0:
+                med = {k: f"{_stats.summary(v)['median_s'] * 1e3:.1f}ms" for k, v in times.items()}
+                log(f"[fusion n={n}] {count} x {size_mb / count * 1024:g} KB: {med}")
+    return out
+
+
+def summarize(per_rank, n):
+    """Merges the ranks' `measure` outputs into the report's rows.
+
+    Returns:
+        {"workers": n, "rows": [{"count", "size_mb", "size_bytes", "shape",
+        "collectives_per_replica", "variants": {variant: summary},
+        "unfused_over_fused", "fused_over_raw_packed", "*_of_medians"}]}
+    """
+    rows = []
+    for count, by_size in per_rank[0].items():
+        for size, entry in by_size.items():
+            merged = {
+                name: _stats.per_iteration_max([r[count][size]["times"][name] for r in per_rank])
+                for name in entry["times"]
+            }
+            variants = {name: _stats.summary(t) for name, t in merged.items()}
+            med = {name: v["median_s"] for name, v in variants.items()}
+            rows.append({
+                "count": int(count),
+                "size_mb": float(size),
+                "size_bytes": entry["size_bytes"],
+                "shape": entry["shape"],
+                "collectives_per_replica": entry["collectives_per_replica"],
+                "variants": variants,
+                "unfused_over_fused": _stats.paired_ratio(merged["unfused"], merged["fused"]),
+                "fused_over_raw_packed": _stats.paired_ratio(merged["fused"], merged["raw_packed"]),
+                "unfused_over_fused_of_medians": med["unfused"] / med["fused"],
+                "fused_over_raw_packed_of_medians": med["fused"] / med["raw_packed"],
+            })
+    rows.sort(key=lambda r: (r["size_mb"], r["count"]))
+    return {"workers": n, "rows": rows}
