@@ -34,6 +34,7 @@ Driver side (`summarize`): per-iteration maximum over ranks, medians,
 algbw/busbw with nccl-tests' factors, and paired keras_comm/raw ratios.
 """
 
+import contextlib
 import time
 
 from benchmarks import _stats
@@ -45,7 +46,28 @@ RS_EXTRA = "raw_allreduce_slice"
 # range keras_comm's topology.group_key hashes into (< 2**30).
 _RAW_GROUP_KEY = (1 << 30) + 17
 _BARRIER_GROUP_KEY = _RAW_GROUP_KEY + 1
-_TIMEOUT_SECONDS = 600.0
+# Every collective with a timeout -- keras_comm's always have one -- makes
+# TensorFlow start two watchdog threads that sleep for the whole timeout
+# (Env::SchedClosureAfter). A worker holds about 2 x collectives/s x timeout
+# of them; at keras_comm's default 300 s, the thousands of collectives of the
+# collectives and fusion families pass the ~32k threads a process can map
+# (vm.max_map_count 65530) and TensorFlow aborts ("Resource temporarily
+# unavailable"). So the timed families run raw and keras_comm collectives
+# alike with this shorter timeout: same watchdog cost per call, fewer alive.
+_TIMEOUT_SECONDS = 30.0
+
+
+@contextlib.contextmanager
+def short_timeout():
+    """keras_comm's default collective timeout is `_TIMEOUT_SECONDS` inside."""
+    import keras_comm
+
+    previous = keras_comm.get_timeout()
+    keras_comm.set_timeout(_TIMEOUT_SECONDS)
+    try:
+        yield
+    finally:
+        keras_comm.set_timeout(previous)
 
 
 class _Raw:
@@ -298,11 +320,13 @@ def measure(strategy, ops, sizes_mb, iters, warmup, log=print):
     Returns:
         {op: {str(size_mb): {"size_bytes": S, "times": {variant: [seconds]}}}}
     """
-    import keras_comm
+    with short_timeout():
+        return _measure(strategy, ops, sizes_mb, iters, warmup, log)
 
+
+def _measure(strategy, ops, sizes_mb, iters, warmup, log):
     n = strategy.num_replicas_in_sync
     rank = strategy.cluster_resolver.task_id or 0
-    del keras_comm  # imported for its Keras x MWMS fixes only
     barrier = _Barrier(strategy)
     out = {}
     for op in ops:

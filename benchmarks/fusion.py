@@ -135,6 +135,11 @@ def measure(strategy, counts, sizes_mb, iters, warmup, log=print):
         {str(count): {str(size_mb): {"size_bytes", "shape", "collectives_per_replica",
         "times": {variant: [seconds]}}}}
     """
+    with collectives.short_timeout():
+        return _measure(strategy, counts, sizes_mb, iters, warmup, log)
+
+
+def _measure(strategy, counts, sizes_mb, iters, warmup, log):
     n = strategy.num_replicas_in_sync
     rank = strategy.cluster_resolver.task_id or 0
     barrier = collectives._Barrier(strategy)  # pylint: disable=protected-access
