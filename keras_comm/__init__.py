@@ -17,6 +17,7 @@ from keras_comm import errors  # noqa: E402
 from keras_comm import layers  # noqa: E402
 from keras_comm import ops  # noqa: E402
 from keras_comm import parallel  # noqa: E402
+from keras_comm import watchdog  # noqa: E402
 from keras_comm.config import communication_options  # noqa: E402
 from keras_comm.config import get_check_calls  # noqa: E402
 from keras_comm.config import get_timeout  # noqa: E402
@@ -41,5 +42,6 @@ __all__ = [
     "rank",
     "set_check_calls",
     "set_timeout",
+    "watchdog",
     "world_size",
 ]

@@ -72,6 +72,7 @@ Scope and limits:
 import keras
 import tensorflow as tf
 
+from keras_comm import watchdog
 from keras_comm.ops._fusion import fusion_scope
 
 __all__ = [
@@ -252,7 +253,10 @@ def _make_function(self, step_function):
         # `fusion` id are packed (see keras_comm.ops.fusion_scope).
         with fusion_scope():
             outputs = strategy.run(step_on_replica, args=(data,))
-        return _reduce_step_outputs(self, strategy, outputs)
+        outputs = _reduce_step_outputs(self, strategy, outputs)
+        if not self.run_eagerly:
+            watchdog.restart()  # tracing ends here: the step's clock starts
+        return outputs
 
     if not self.run_eagerly:
         one_step_on_data = tf.function(
@@ -265,17 +269,24 @@ def _make_function(self, step_function):
     if autoconvert_optionals is not None:
         one_step_on_data = autoconvert_optionals(one_step_on_data)
 
+    # Each step runs under the process watchdog, which enforces keras_comm's
+    # timeout without TensorFlow's per-op timeout threads (keras_comm.watchdog).
+    name = getattr(step_function, "__name__", "step").lstrip("_")
+    site = watchdog.Site(f"the model's {name}")
+
     def function(iterator):
         outputs = None
         for _ in range(self.steps_per_execution):
-            try:
-                # Under MWMS the distributed iterator agrees across workers on
-                # the end of data: a worker with no samples left gets an empty
-                # batch until every worker is out, so all run the same steps.
-                data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                break
-            outputs = one_step_on_data(data)
+            with watchdog.guard(site):
+                try:
+                    # Under MWMS the distributed iterator agrees across workers
+                    # on the end of data: a worker with no samples left gets an
+                    # empty batch until every worker is out, so all run the
+                    # same steps.
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    break
+                outputs = one_step_on_data(data)
         if outputs is None:
             raise StopIteration
         return outputs

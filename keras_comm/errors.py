@@ -111,14 +111,21 @@ def find(message):
     return found
 
 
+TIMEOUT_ADVICE = (
+    "timed out: a peer did not reach the same collective in time. It "
+    "stopped, crashed, is much slower, or runs different code (another "
+    "layer order, a skipped step). If the peers are only slow, raise "
+    "keras_comm.set_timeout() or the layer's `timeout=`."
+)
+RESTART_ADVICE = (
+    "TensorFlow aborts every later collective in this process after such an "
+    "error: restart the job."
+)
+
+
 def _advice(error):
     if isinstance(error, tf.errors.DeadlineExceededError):
-        return (
-            "timed out: a peer did not reach the same collective in time. It "
-            "stopped, crashed, is much slower, or runs different code (another "
-            "layer order, a skipped step). If the peers are only slow, raise "
-            "keras_comm.set_timeout() or the layer's `timeout=`."
-        )
+        return TIMEOUT_ADVICE
     if isinstance(error, (tf.errors.InvalidArgumentError, tf.errors.InternalError)):
         return (
             "the ranks of the group called collectives that do not match "
@@ -148,8 +155,8 @@ def translate(error, info=None):
     if not isinstance(error, tf.errors.OpError):
         return error
     message = error.message or ""
-    if message.startswith(_MARK):
-        return error
+    if message.startswith(_MARK) or f"aborted by: {_MARK}" in message:
+        return error  # ours already (or keras_comm.watchdog's abort)
     infos = [info] if info is not None else find(message)
     if infos:
         what = "; ".join(i.describe() for i in infos)
@@ -162,8 +169,7 @@ def translate(error, info=None):
     else:
         return error
     text = (
-        f"{_MARK}collective of {what} {_advice(error)} TensorFlow aborts every "
-        "later collective in this process after such an error: restart the job."
+        f"{_MARK}collective of {what} {_advice(error)} {RESTART_ADVICE}"
         f"\nTensorFlow's error: {message}"
     )
     new = type(error)(error.node_def, error.op, text)

@@ -36,6 +36,7 @@ from tensorflow.python.ops import resource_variable_ops
 from keras_comm import config
 from keras_comm import errors
 from keras_comm import topology
+from keras_comm import watchdog
 from keras_comm.ops import _fusion
 
 _MERGE_OPS = {"sum": "Add", "prod": "Mul", "max": "Max", "min": "Min"}
@@ -90,15 +91,18 @@ def run(thunk):
     pass-through value). In graph mode, or with one replica per process, this
     is just ``thunk()``.
     """
-    ctx = tf.distribute.get_replica_context()
-    if (
-        not tf.executing_eagerly()
-        or ctx is None
-        or _local_replica_count() == 1
-        or tf.distribute.in_cross_replica_context()
-    ):
+    if not tf.executing_eagerly():
         return thunk()
-    return ctx.merge_call(_run_concurrently, args=(thunk,))
+    # Eager collectives run here and now: the process watchdog bounds them
+    # (see keras_comm.watchdog), not a per-op TensorFlow timeout.
+    with watchdog.guard(_EAGER_SITE):
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or _local_replica_count() == 1 or tf.distribute.in_cross_replica_context():
+            return thunk()
+        return ctx.merge_call(_run_concurrently, args=(thunk,))
+
+
+_EAGER_SITE = watchdog.Site("an eager keras_comm collective")
 
 
 def _run_concurrently(strategy, thunks):
@@ -118,6 +122,17 @@ def _hint():
 
 def _timeout(timeout):
     return config.get_timeout() if timeout is None else timeout
+
+
+def _op_timeout(call):
+    """The timeout TensorFlow enforces per op: none under a watchdog guard.
+
+    TF's per-op timeout costs threads for its whole duration (see
+    keras_comm.watchdog); a layer's explicit `timeout=` always gets it.
+    """
+    if call.timeout is None and watchdog.covers():
+        return 0
+    return _timeout(call.timeout)
 
 
 def _op_name(name, kind):
@@ -243,6 +258,7 @@ def _record(call, kind):
         rank=call.replica.rank,
     )
     errors.record(info)
+    watchdog.note(info)
     return info
 
 
@@ -315,7 +331,7 @@ def _ordered(call, kind, launch, **attrs):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_timeout(call.timeout),
+            timeout=_op_timeout(call),
             ordering_token=_handle_in_graph(token),
             name=_op_name(call.name, kind),
             **attrs,
@@ -426,7 +442,7 @@ def broadcast(x, call, root_index):
         group_key=key,
         instance_key=instance,
         communication_hint=_hint(),
-        timeout=_timeout(call.timeout),
+        timeout=_op_timeout(call),
     )
     if call.index == root_index:
 
@@ -466,7 +482,7 @@ def send(x, call, dest, tag=0):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_timeout(call.timeout),
+            timeout=_op_timeout(call),
         )
 
     with tf.name_scope(_op_name(call.name, "send")), errors._translating(info):
@@ -489,7 +505,7 @@ def recv(shape, dtype, call, src, tag=0):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_timeout(call.timeout),
+            timeout=_op_timeout(call),
         )
 
     with tf.name_scope(_op_name(call.name, "recv")), errors._translating(info):
