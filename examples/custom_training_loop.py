@@ -61,20 +61,24 @@ def make_trainer(model, learning_rate):
 
     optimizer = keras.optimizers.Adam(learning_rate)
     # Backward: the gradient summed over all replicas (mean_flag=False: the
-    # exact adjoint for the sum-of-losses objective).
-    mirror = keras_comm.layers.MirrorOperator(mean_flag=False)
+    # exact adjoint for the sum-of-losses objective). fusion=1: the weights'
+    # gradients travel in one all-reduce (inside the fusion scope below).
+    mirror = keras_comm.layers.MirrorOperator(mean_flag=False, fusion=1)
     for variable in model.trainable_variables:
         keras_comm.compat.mark_gradient_reduced(variable)
 
     def replica_step(images, labels):
         local_count = tf.cast(tf.shape(labels)[0], "float32")
         global_count = keras_comm.ops.all_reduce(local_count)
-        with tf.GradientTape() as tape:
-            weights = [mirror(v) for v in model.trainable_variables]
-            logits, _ = model.stateless_call(weights, model.non_trainable_variables, images, training=True)
-            losses = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
-            loss = tf.reduce_sum(losses) / global_count
-        grads = tape.gradient(loss, model.trainable_variables)
+        with keras_comm.ops.fusion_scope():
+            with tf.GradientTape() as tape:
+                weights = [mirror(v) for v in model.trainable_variables]
+                logits, _ = model.stateless_call(
+                    weights, model.non_trainable_variables, images, training=True
+                )
+                losses = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                loss = tf.reduce_sum(losses) / global_count
+            grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         correct = tf.reduce_sum(tf.cast(tf.argmax(logits, -1, output_type="int32") == labels, "float32"))
         # One transfer for the three numbers: the global loss and accuracy.
@@ -87,6 +91,8 @@ def train(model, strategy, args, x, y):
     """Yields (epoch, global loss, global accuracy)."""
     import tensorflow as tf
 
+    import keras_comm.watchdog
+
     with strategy.scope():
         replica_step = make_trainer(model, args.learning_rate)
     dataset = strategy.experimental_distribute_dataset(_common.global_batches(x, y, args.batch_size))
@@ -94,7 +100,11 @@ def train(model, strategy, args, x, y):
     for epoch in range(args.epochs):
         totals = 0.0
         for images, labels in dataset:
-            totals += strategy.experimental_local_results(step(images, labels))[0].numpy()
+            # keras_comm's timeout for the step, by one watchdog thread (what
+            # fit does per step); unguarded, every collective would start
+            # TensorFlow's per-op timeout threads.
+            with keras_comm.watchdog.guard("the custom train step"):
+                totals += strategy.experimental_local_results(step(images, labels))[0].numpy()
         loss_sum, correct, count = totals
         yield epoch, loss_sum / count, correct / count
 

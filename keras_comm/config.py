@@ -1,9 +1,12 @@
 """Package-wide settings.
 
-* The collective timeout (`set_timeout`, default 300 s, always finite): every
-  keras_comm collective passes it to TensorFlow, so a peer that never arrives
-  turns into a ``tf.errors.DeadlineExceededError`` on every waiting rank
-  after at most that long, instead of a hang. TensorFlow's own collectives
+* The collective timeout (`set_timeout`, default 300 s, always finite): a
+  peer that never arrives turns into a ``tf.errors.DeadlineExceededError``
+  on every waiting rank after at most that long, instead of a hang. Under
+  `model.fit`/`evaluate`/`predict` and in eager mode it bounds each step or
+  call through one watchdog thread (`keras_comm.watchdog`); in a
+  `tf.function` you call yourself it is TensorFlow's per-op timeout, which
+  costs threads (wrap such calls in `keras_comm.watchdog.guard`). TensorFlow's own collectives
   (e.g. MWMS's gradient all-reduce in `model.fit`) take theirs from
   ``tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)``.
   After a timeout TensorFlow aborts every later collective of the process:
@@ -109,9 +112,12 @@ def set_check_calls(enabled):
 def communication_options(**kwargs):
     """`CommunicationOptions` for the strategy, with keras_comm's timeout.
 
-    keras_comm's timeout covers keras_comm's collectives only. TensorFlow's
-    own collectives under `model.fit` (MWMS's gradient and metric
-    all-reduces) wait forever unless the strategy has a timeout too:
+    Under `model.fit` keras_comm's watchdog bounds each whole step, the
+    strategy's own collectives (gradient and metric all-reduces) included.
+    In custom loops not wrapped in `keras_comm.watchdog.guard`, TensorFlow's
+    collectives wait forever unless the strategy has a timeout too. That is
+    TensorFlow's per-op timeout: two threads per collective for the whole
+    timeout, fine for a few collectives per second:
 
     ```python
     keras_comm.set_timeout(120)
