@@ -7,6 +7,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_comm import watchdog
 from keras_comm.callbacks import _engine
 from keras_comm.callbacks import _sharding
 
@@ -58,6 +59,22 @@ def _format_bytes(n):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024.0
+
+
+def _guarded(strategy, replica_fn, what):
+    """A compiled ``strategy.run(replica_fn)`` whose calls run under the watchdog.
+
+    Like `fit`'s steps (see keras_comm.watchdog): the collectives traced in it
+    take no per-op TensorFlow timeout, and the call as a whole is bounded.
+    """
+    fn = tf.function(lambda: strategy.run(replica_fn))
+    site = watchdog.Site(what)
+
+    def call():
+        with watchdog.guard(site):
+            return fn()
+
+    return call
 
 
 class ParallelOptimizer(keras.callbacks.Callback):
@@ -300,13 +317,13 @@ class ParallelOptimizer(keras.callbacks.Callback):
         apply = model._make_function(engine.apply_step)
         flush = None
         if self.accumulation_steps > 1:
-            flush = tf.function(lambda: strategy.run(engine.flush_step))
+            flush = _guarded(strategy, engine.flush_step, "ParallelOptimizer's flush step")
         self._functions = {
             "micro": micro,
             "apply": apply,
             "flush": flush,
-            "gather": tf.function(lambda: strategy.run(engine.gather_slots)),
-            "reshard": tf.function(lambda: strategy.run(engine.reshard_slots)),
+            "gather": _guarded(strategy, engine.gather_slots, "ParallelOptimizer's slot gather"),
+            "reshard": _guarded(strategy, engine.reshard_slots, "ParallelOptimizer's reshard"),
         }
         self._original_train_function = model.train_function
         model.train_function = self._train_function
