@@ -41,6 +41,7 @@ for _ in range(steps):
 import contextlib
 import threading
 import time
+import warnings
 
 import tensorflow as tf
 from tensorflow.python.eager import context
@@ -54,6 +55,7 @@ _cv = threading.Condition()
 _entries = {}  # key -> _Entry
 _thread = None
 _active = 0
+_warned_unguarded = False
 
 
 class Site:
@@ -84,6 +86,26 @@ class _Entry:
 def covers():
     """True while a guard is open (collectives then take no TF timeout)."""
     return _active > 0
+
+
+def check_guarded():
+    """Warns (once) when a function traced under a guard is called outside one.
+
+    Runs at every call of a compiled function, for each collective that was
+    traced without a TensorFlow timeout.
+    """
+    global _warned_unguarded
+    if _active == 0 and not _warned_unguarded:
+        _warned_unguarded = True
+        warnings.warn(
+            "keras_comm: a compiled function whose keras_comm collectives were "
+            "traced inside keras_comm.watchdog.guard (model.fit's steps, or "
+            "your own) is called outside any guard: those collectives have no "
+            "timeout and would wait forever for a missing peer. Call it inside "
+            "keras_comm.watchdog.guard(...) every time.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def note(info):

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -165,3 +166,18 @@ def test_a_hung_call_is_aborted_with_deadline_exceeded():
         "keras_comm: the lonely step did not finish within 1.5 s (keras_comm's collective timeout)"
     ), out
     assert "TensorFlow's error:" in out["message"]
+
+
+@pytest.mark.inprocess
+def test_calling_a_guarded_trace_outside_a_guard_warns(monkeypatch):
+    strategy = make_strategy(2)
+    monkeypatch.setattr(watchdog, "_warned_unguarded", False)
+    step = tf.function(lambda: strategy.run(lambda: kc_ops.all_reduce(tf.ones([2]))))
+    with watchdog.guard("probe"):
+        step()  # traced here: no TF timeout
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with watchdog.guard("probe"):
+            step()  # guarded: silent
+    with pytest.warns(RuntimeWarning, match="called outside any guard"):
+        step()

@@ -188,8 +188,12 @@ class Call:
         return self.group.size == 1
 
     def _keys(self, key=None):
+        """(group key, instance key, TF timeout) for one collective op."""
         key = self.group.key if key is None else key
-        return key, topology.instance_keys.next(key, self.device)
+        timeout = _op_timeout(self)
+        # Traced without a TF timeout: the watchdog must cover every call.
+        check = watchdog.check_guarded if timeout == 0 else None
+        return key, topology.instance_keys.next(key, self.device, check), timeout
 
 
 def resolve(group=None, timeout=None, name=None):
@@ -323,7 +327,7 @@ def _ordered(call, kind, launch, **attrs):
         checked = _check_call(attrs["t"], call, kind, detail)
         with tf.device(call.device), tf.control_dependencies([checked]):
             attrs["t"] = tf.identity(attrs["t"])
-    key, instance = call._keys()
+    key, instance, timeout = call._keys()
     token = _ordering_token(call.device)
     with tf.device(call.device), errors._translating(info):
         return launch(
@@ -331,7 +335,7 @@ def _ordered(call, kind, launch, **attrs):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_op_timeout(call),
+            timeout=timeout,
             ordering_token=_handle_in_graph(token),
             name=_op_name(call.name, kind),
             **attrs,
@@ -436,13 +440,13 @@ def broadcast(x, call, root_index):
         checked = _check_call(x, call, "broadcast", f" root {root_index}")
         with tf.device(call.device), tf.control_dependencies([checked]):
             x = tf.identity(x)
-    key, instance = call._keys()
+    key, instance, timeout = call._keys()
     kwargs = dict(
         group_size=call.size,
         group_key=key,
         instance_key=instance,
         communication_hint=_hint(),
-        timeout=_op_timeout(call),
+        timeout=timeout,
     )
     if call.index == root_index:
 
@@ -473,7 +477,7 @@ def send(x, call, dest, tag=0):
         return tf.identity(x)
     _fusion.settle([x])
     info = _record(call, "send")
-    key, instance = call._keys(_pair_key(call.replica.rank, dest, tag))
+    key, instance, timeout = call._keys(_pair_key(call.replica.rank, dest, tag))
 
     def fn():
         return collective_ops.broadcast_send_v2(
@@ -482,7 +486,7 @@ def send(x, call, dest, tag=0):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_op_timeout(call),
+            timeout=timeout,
         )
 
     with tf.name_scope(_op_name(call.name, "send")), errors._translating(info):
@@ -495,7 +499,7 @@ def recv(shape, dtype, call, src, tag=0):
         return tf.zeros(shape, dtype)
     _fusion.settle([])
     info = _record(call, "recv")
-    key, instance = call._keys(_pair_key(call.replica.rank, src, tag))
+    key, instance, timeout = call._keys(_pair_key(call.replica.rank, src, tag))
 
     def fn():
         return collective_ops.broadcast_recv_v2(
@@ -505,7 +509,7 @@ def recv(shape, dtype, call, src, tag=0):
             group_key=key,
             instance_key=instance,
             communication_hint=_hint(),
-            timeout=_op_timeout(call),
+            timeout=timeout,
         )
 
     with tf.name_scope(_op_name(call.name, "recv")), errors._translating(info):
