@@ -26,7 +26,8 @@ Which timeout a keras_comm collective gets:
   timeout, in or out of a guard;
 * outside any guard (a `tf.function` you call yourself): TensorFlow's
   per-op timeout, with its threads. Wrap such steps in `guard` -- every call,
-  since the choice is made when the function is traced.
+  since the choice is made when the function is traced (a function traced
+  in a guard and called outside one warns once: it has no timeout then).
 
 Example:
 
