@@ -89,6 +89,7 @@ def covers():
     return _active > 0
 
 
+@tf.autograph.experimental.do_not_convert
 def check_guarded():
     """Warns (once) when a function traced under a guard is called outside one.
 
