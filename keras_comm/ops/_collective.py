@@ -73,8 +73,6 @@ def _handle_in_graph(token):
         return handle
     while getattr(outer, "outer_graph", None) is not None and outer.building_function:
         graph, outer = outer, outer.outer_graph
-    if not graph.building_function:
-        return handle
     return graph.capture(handle)
 
 

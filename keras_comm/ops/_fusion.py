@@ -37,6 +37,8 @@ import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.framework import ops as tf_ops
 
+from keras_comm import config
+
 _SCOPE_ATTR = "_keras_comm_fusion_scope"
 _lock = threading.RLock()
 
@@ -141,8 +143,6 @@ def defer(x, call, op, fusion):
     Returns a stand-in for the result, or None when this call cannot be
     deferred (the caller then issues the all-reduce itself).
     """
-    from keras_comm import config  # pylint: disable=import-outside-toplevel
-
     if not fusion or call.symbolic or tf.executing_eagerly() or config.get_check_calls():
         return None
     graph = tf_ops.get_default_graph()
@@ -171,6 +171,8 @@ def settle(tensors):
 
     Called by every collective primitive before it is created.
     """
+    if tf.executing_eagerly():
+        return  # nothing is deferred in eager mode
     graph = tf_ops.get_default_graph()
     scope = _scope_of(graph)
     if scope is not None:
@@ -232,15 +234,24 @@ def _flush(scope, keys):
         # packed op depends on its inputs only, and is never differentiated
         # (each member's gradient is its own custom_gradient).
         with tf.control_dependencies(None), record.stop_recording(), tf.device(call.device):
-            if len(bucket.inputs) == 1:
-                results = [_collective.all_reduce(bucket.inputs[0], call, bucket.op)]
-            else:
-                flat = [tf.reshape(x, [-1]) for x in bucket.inputs]
-                packed = _collective.all_reduce(tf.concat(flat, 0), call, bucket.op)
-                pieces = tf.split(packed, [tf.size(x) for x in bucket.inputs])
-                results = [tf.reshape(p, tf.shape(x)) for p, x in zip(pieces, bucket.inputs)]
+            results = packed(
+                bucket.inputs, lambda t: _collective.all_reduce(t, call, bucket.op)
+            )
         for stand_in, result in zip(bucket.stand_ins, results):
             stand_in.op._update_input(0, result)  # pylint: disable=protected-access
+
+
+def packed(values, reduce):
+    """``reduce`` applied once to all `values` (one dtype), split back.
+
+    One value is reduced as is; several are flattened and concatenated,
+    reduced, and each slice reshaped to its value's shape.
+    """
+    if len(values) == 1:
+        return [reduce(values[0])]
+    flat = reduce(tf.concat([tf.reshape(v, [-1]) for v in values], 0))
+    pieces = tf.split(flat, [tf.size(v) for v in values])
+    return [tf.reshape(p, tf.shape(v)) for p, v in zip(pieces, values)]
 
 
 def _packed_name(bucket):

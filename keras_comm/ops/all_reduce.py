@@ -185,15 +185,11 @@ def _fused(values, op, call, what, fusion=0):
             for i in idxs:
                 out[i] = tf.identity(values[i])
             continue
-        if len(idxs) == 1:
-            out[idxs[0]] = _all_reduce_dense(values[idxs[0]], op, call, fusion)
-            continue
-        parts = [values[i] for i in idxs]
-        packed = tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
-        reduced = _all_reduce_dense(packed, op, call, fusion)
-        pieces = tf.split(reduced, [tf.size(p) for p in parts])
-        for i, p, piece in zip(idxs, parts, pieces):
-            out[i] = tf.reshape(piece, tf.shape(p))
+        reduced = _fusion.packed(
+            [values[i] for i in idxs], lambda t: _all_reduce_dense(t, op, call, fusion)
+        )
+        for i, r in zip(idxs, reduced):
+            out[i] = r
     return out
 
 

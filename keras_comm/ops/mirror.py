@@ -73,8 +73,8 @@ def _scale(x, mean_flag, call):
     return x
 
 
-def _all_reduce_sum(x, call):
-    return _collective.all_reduce(x, call, "sum")
+def _all_reduce_sum(x, call, fusion=0):
+    return _collective.all_reduce(x, call, "sum", fusion)
 
 
 def _all_gather(x, call):
@@ -207,7 +207,7 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
                 return _collective.run(lambda: sparse() if call.member else dy)
             dy = _dense(dy)
             return _collective.run(
-                lambda: _scale(_collective.all_reduce(dy, call, "sum", fusion), mean_flag, call)
+                lambda: _scale(_all_reduce_sum(dy, call, fusion), mean_flag, call)
                 if call.member
                 else dy
             )
