@@ -1,16 +1,55 @@
-"""mkdocs hook: put the benchmark results on the performance page.
+"""mkdocs hooks: the benchmark results on the performance page, and maths.
 
-`python -m benchmarks.run --docs` writes docs/performance/benchmarks.md and
+Maths. pymdownx.arithmatex marks the formulas of the pages; MathJax 3 typesets
+them in the reader's browser. Readers may be offline, so MathJax is not taken
+from a CDN: its self-contained SVG build (one file, no web fonts) comes from
+the `django-static-mathjax` package of the ``docs`` extra (plain static files,
+no dependencies, despite the name) and is written into the built site next to
+docs/javascripts/mathjax-config.js. Both scripts are added to every page.
+
+Benchmarks. `python -m benchmarks.run --docs` writes docs/performance/benchmarks.md and
 its plots (*.png). This hook replaces the ``<!-- benchmark-results -->``
 marker of performance.md with links to that page and the plots when they
 exist, and with instructions to generate them when they do not. The plots
 are never drawn by hand.
 """
 
+import importlib.util
 from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
 
 MARKER = "<!-- benchmark-results -->"
 PERF_DIR = Path(__file__).resolve().parent / "performance"
+MATHJAX_CONFIG = "javascripts/mathjax-config.js"
+MATHJAX_SITE_PATH = "javascripts/mathjax/tex-svg.js"
+
+
+def _mathjax_file():
+    """tex-svg.js of the installed MathJax package, or a PluginError saying how to get it."""
+    spec = importlib.util.find_spec("mathjax")
+    locations = spec.submodule_search_locations if spec else None
+    for location in locations or []:
+        path = Path(location) / "static" / "mathjax" / "es5" / "tex-svg.js"
+        if path.is_file():
+            return path
+    raise PluginError(
+        "MathJax is not installed, so the formulas of the docs would show as raw TeX: "
+        "pip install -e '.[docs]' (it brings django-static-mathjax, MathJax 3's files)."
+    )
+
+
+def on_config(config):
+    for script in (MATHJAX_CONFIG, MATHJAX_SITE_PATH):
+        if script not in config.extra_javascript:
+            config.extra_javascript.append(script)
+    return config
+
+
+def on_files(files, config):
+    files.append(File.generated(config, MATHJAX_SITE_PATH, abs_src_path=str(_mathjax_file())))
+    return files
 
 
 def _results_markdown():
