@@ -105,3 +105,9 @@ def paired_ratio(a, b):
     """Median of per-iteration ratios a_i / b_i (interleaved A/B timings)."""
     pairs = [x / y for x, y in zip(a, b) if y > 0]
     return statistics.median(pairs) if pairs else float("nan")
+
+
+def paired_ratio_spread(a, b):
+    """(p10, p90) of the per-iteration ratios a_i / b_i: their run-to-run spread."""
+    pairs = [x / y for x, y in zip(a, b) if y > 0]
+    return quantile(pairs, 0.1), quantile(pairs, 0.9)

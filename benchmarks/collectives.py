@@ -373,6 +373,7 @@ def summarize(per_rank, n):
             for kind in ("fwd", "fwd_bwd"):
                 a, b = merged[f"layer_{kind}"], merged[f"raw_{kind}"]
                 row[f"ratio_{kind}"] = _stats.paired_ratio(a, b)
+                row[f"ratio_{kind}_p10"], row[f"ratio_{kind}_p90"] = _stats.paired_ratio_spread(a, b)
                 row[f"ratio_{kind}_of_medians"] = (
                     variants[f"layer_{kind}"]["median_s"] / variants[f"raw_{kind}"]["median_s"]
                 )

@@ -47,6 +47,16 @@ def _fmt(value, spec=".2f", missing="–"):
     return format(value, spec)
 
 
+def _ratio_cell(row, kind):
+    """'1.032 ✓ (0.97–1.10)': the median paired ratio, its verdict, its p10–p90 spread."""
+    mid = row[f"ratio_{kind}"]
+    cell = _fmt(mid, ".3f") + (" ✓" if mid <= TARGET_RATIO else " ✗")
+    lo, hi = row.get(f"ratio_{kind}_p10"), row.get(f"ratio_{kind}_p90")
+    if lo is not None and hi is not None:
+        cell += f" ({lo:.2f}–{hi:.2f})"
+    return cell
+
+
 def _mpi_median(results, n, op, size):
     """Median of the before/after MPI medians for (n, op, size), or None."""
     values = []
@@ -177,15 +187,15 @@ def markdown(results):
             continue
         out.append(f"### {n} workers")
         out.append("")
+        out.append("In brackets: p10–p90 of the per-iteration ratios, the run-to-run spread.")
+        out.append("")
         rows = []
         for op in _stats.OPS:
             for size, row in ops.get(op, {}).items():
                 v = row["variants"]
                 rows.append([
                     op, size,
-                    _fmt(row["ratio_fwd"], ".3f") + (" ✓" if row["ratio_fwd"] <= TARGET_RATIO else " ✗"),
-                    _fmt(row["ratio_fwd_bwd"], ".3f")
-                    + (" ✓" if row["ratio_fwd_bwd"] <= TARGET_RATIO else " ✗"),
+                    _ratio_cell(row, "fwd"), _ratio_cell(row, "fwd_bwd"),
                     _fmt(v["layer_fwd_bwd"]["median_s"] * 1e3), _fmt(v["raw_fwd_bwd"]["median_s"] * 1e3),
                     f"{v['layer_fwd']['iters']}",
                 ])
@@ -274,6 +284,187 @@ def write_markdown(results, path):
     return path
 
 
+# The docs show a plot at most ~800 px wide; plots are drawn for that width
+# (8 inches at 150 dpi, shown at about two thirds) with fonts that stay readable.
+PLOT_WIDTH_IN = 8.0
+PLOT_DPI = 150
+PLOT_STYLE = {
+    "font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "xtick.labelsize": 11,
+    "ytick.labelsize": 11, "legend.fontsize": 11, "figure.titlesize": 14,
+}
+SPREAD_NOTE = "bars: p10–p90 of the timed iterations"
+
+
+def _busbw_spread(op, n, variant):
+    """(lower, upper) busbw error-bar lengths from the p90 and p10 times."""
+    lo = _stats.bandwidths(op, variant["size_bytes"], n, variant["p90_s"])["busbw_GBps"]
+    hi = _stats.bandwidths(op, variant["size_bytes"], n, variant["p10_s"])["busbw_GBps"]
+    mid = variant["busbw_GBps"]
+    return max(0.0, mid - lo), max(0.0, hi - mid)
+
+
+def _plot_busbw(plt, results, n, ops, present):
+    from matplotlib import ticker
+
+    cols = 3
+    rows_n = -(-len(present) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(PLOT_WIDTH_IN, 3.0 * rows_n + 0.8), squeeze=False)
+    handles = None
+    for ax, op in zip(axes.flat, present):
+        sizes = sorted(ops[op], key=float)
+        xs = [float(s) for s in sizes]
+        for label, key, marker in (("keras_comm", "layer_fwd", "o"), ("raw TF", "raw_fwd", "^")):
+            ys, lower, upper = [], [], []
+            for s in sizes:
+                variant = dict(ops[op][s]["variants"][key], size_bytes=ops[op][s]["size_bytes"])
+                ys.append(variant["busbw_GBps"])
+                lo, hi = _busbw_spread(op, int(n), variant) if "p10_s" in variant else (0.0, 0.0)
+                lower.append(lo)
+                upper.append(hi)
+            ax.errorbar(xs, ys, yerr=[lower, upper], marker=marker, capsize=3, label=label)
+        mpi = [_mpi_median(results, n, op, s) for s in sizes]
+        if any(mpi):
+            ax.plot([x for x, m in zip(xs, mpi) if m], [m["busbw_GBps"] for m in mpi if m],
+                    marker="s", label="MPI (shared memory)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        # Plain numbers at 1-2-5 steps: a narrow log range otherwise gets one label.
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_locator(ticker.NullLocator())
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.set_title(op)
+        ax.set_xlabel("size (MB)")
+        ax.grid(True, which="major", alpha=0.3)
+        handles = ax.get_legend_handles_labels()
+    for ax in axes[:, 0]:
+        ax.set_ylabel("busbw (GB/s)")
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    spare = list(axes.flat)[len(present):]
+    if spare and handles:
+        spare[0].legend(*handles, loc="center", title=SPREAD_NOTE, title_fontsize=10)
+    elif handles:
+        fig.legend(*handles, loc="lower center", ncol=3)
+    fig.suptitle(f"Collective bus bandwidth, {n} workers (forward; higher is better)")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_overhead(plt, n, ops, present):
+    labels, fwd, fb, fwd_err, fb_err = [], [], [], [[], []], [[], []]
+    for op in present:
+        for s in sorted(ops[op], key=float):
+            row = ops[op][s]
+            labels.append(f"{op} {s} MB")
+            for kind, values, err in (("fwd", fwd, fwd_err), ("fwd_bwd", fb, fb_err)):
+                mid = row[f"ratio_{kind}"]
+                values.append(mid)
+                lo, hi = row.get(f"ratio_{kind}_p10"), row.get(f"ratio_{kind}_p90")
+                err[0].append(mid - lo if lo is not None else 0.0)
+                err[1].append(hi - mid if hi is not None else 0.0)
+    # Horizontal bars: one readable label per row, however many sizes ran.
+    fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 1.2 + 0.42 * len(labels)))
+    idx = list(range(len(labels)))
+    has_spread = any(e for e in fwd_err[0] + fwd_err[1] + fb_err[0] + fb_err[1])
+    kw = {"capsize": 2, "error_kw": {"elinewidth": 1, "alpha": 0.7}} if has_spread else {}
+    ax.barh([i - 0.2 for i in idx], fwd, 0.4, xerr=fwd_err if has_spread else None, label="forward", **kw)
+    ax.barh([i + 0.2 for i in idx], fb, 0.4, xerr=fb_err if has_spread else None, label="forward+backward", **kw)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.axvline(TARGET_RATIO, color="red", ls="--", lw=1, label=f"target {TARGET_RATIO}")
+    ax.set_yticks(idx, labels)
+    ax.invert_yaxis()
+    values = [v for v in fwd + fb if v == v]
+    spread_hi = [v + e for v, e in zip(fwd + fb, fwd_err[1] + fb_err[1]) if v == v]
+    spread_lo = [v - e for v, e in zip(fwd + fb, fwd_err[0] + fb_err[0]) if v == v]
+    if values:
+        ax.set_xlim(min(0.8, min(spread_lo) - 0.02), max(1.2, max(spread_hi) + 0.02))
+    ax.set_xlabel("keras_comm time / raw TF time (lower is better)")
+    title = f"Layer overhead, {n} workers: median of paired ratios"
+    ax.set_title(title + (f"\n({SPREAD_NOTE})" if has_spread else ""))
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_reduce_scatter(plt, rs):
+    fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 4.2))
+    labels = [f"{r['workers']} workers\n{r['size_mb']:g} MB" for r in rs]
+    idx = list(range(len(rs)))
+    ax.bar([i - 0.2 for i in idx], [r["ours_a2a_sum_s"] * 1e3 for r in rs], 0.4,
+           label="keras_comm (all-to-all + sum)")
+    ax.bar([i + 0.2 for i in idx], [r["allreduce_slice_s"] * 1e3 for r in rs], 0.4,
+           label="all-reduce + slice")
+    ax.set_xticks(idx, labels)
+    ax.set_ylabel("ms (median, lower is better)")
+    ax.set_yscale("log")
+    ax.set_title("ReduceScatter on CPU")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _plot_scaling(plt, scaling):
+    fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 4.2))
+    for model in sorted({r["model"] for r in scaling}):
+        rows = [r for r in scaling if r["model"] == model]
+        ys = [r["samples_per_s"] for r in rows]
+        if all("step_min_s" in r for r in rows):
+            lower = [y - r["global_batch"] / r["step_max_s"] for y, r in zip(ys, rows)]
+            upper = [r["global_batch"] / r["step_min_s"] - y for y, r in zip(ys, rows)]
+            ax.errorbar([r["workers"] for r in rows], ys, yerr=[lower, upper], marker="o", capsize=4, label=model)
+        else:
+            ax.plot([r["workers"] for r in rows], ys, marker="o", label=model)
+    workers = sorted({r["workers"] for r in scaling})
+    ax.set_xticks(workers)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("samples/s (higher is better)")
+    ax.set_title("model.fit throughput, fixed per-replica batch\n(bars: slowest and fastest round)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _po_label(config):
+    return "plain fit" if config is None else f"accum. {config[0]}\nZeRO {config[1]}"
+
+
+def _plot_parallel_optimizer(plt, rows, n):
+    labels = [_po_label(r["config"]) for r in rows]
+    idx = list(range(len(rows)))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(PLOT_WIDTH_IN, 7.5), sharex=True)
+    ys = [r["time_per_sample_us"] for r in rows]
+    if all("micro_batch_min_s" in r for r in rows):
+        per = [r["global_micro_batch"] / 1e6 for r in rows]
+        err = [[y - r["micro_batch_min_s"] / p for y, r, p in zip(ys, rows, per)],
+               [r["micro_batch_max_s"] / p - y for y, r, p in zip(ys, rows, per)]]
+        a1.bar(idx, ys, yerr=err, capsize=4)
+        a1.set_title("time per sample (bars: slowest and fastest round)")
+    else:
+        a1.bar(idx, ys)
+        a1.set_title("time per sample")
+    a1.set_ylabel("µs per sample")
+    bottom = [0.0] * len(rows)
+    for part in ("optimizer", "master", "accumulation"):
+        values = [(r.get("state_breakdown") or {}).get(part, 0) / _stats.MIB for r in rows]
+        if any(values):
+            a2.bar(idx, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    for i, r in enumerate(rows):
+        if r.get("state_bytes") is None:
+            a2.text(i, 0, "not\nrecorded", ha="center", va="bottom", fontsize=10)
+    a2.set_ylabel("MiB per replica")
+    a2.set_title("optimizer state per replica (what ZeRO shards)")
+    a2.legend()
+    a2.set_xticks(idx, labels)
+    fig.suptitle(f"ParallelOptimizer, {n} workers (MLP)")
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(results, out_dir):
     """Writes the PNGs; returns their paths ([] without matplotlib)."""
     try:
@@ -285,111 +476,32 @@ def write_plots(results, out_dir):
         return []
     out_dir = Path(out_dir)
     paths = []
-    coll = results.get("collectives", {})
-    for n, ops in sorted(coll.items(), key=lambda kv: int(kv[0])):
-        if "error" in ops:
-            continue
-        present = [op for op in _stats.OPS if op in ops]
-        fig, axes = plt.subplots(1, len(present), figsize=(3.2 * len(present), 3.2), squeeze=False)
-        for ax, op in zip(axes[0], present):
-            sizes = sorted(ops[op], key=float)
-            xs = [float(s) for s in sizes]
-            for label, key in (("keras_comm", "layer_fwd"), ("raw TF", "raw_fwd")):
-                ax.plot(xs, [ops[op][s]["variants"][key]["busbw_GBps"] for s in sizes], marker="o", label=label)
-            mpi = [_mpi_median(results, n, op, s) for s in sizes]
-            if any(mpi):
-                ax.plot([x for x, m in zip(xs, mpi) if m], [m["busbw_GBps"] for m in mpi if m],
-                        marker="s", label="MPI")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(op)
-            ax.set_xlabel("size (MB)")
-        axes[0][0].set_ylabel("busbw (GB/s)")
-        axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"Collective bus bandwidth, {n} workers (forward)")
-        fig.tight_layout()
-        path = out_dir / f"busbw_{n}workers.png"
-        fig.savefig(path, dpi=110)
+
+    def save(fig, name):
+        path = out_dir / name
+        fig.savefig(path, dpi=PLOT_DPI)
         plt.close(fig)
         paths.append(path)
 
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * sum(len(ops[o]) for o in present)), 3.4))
-        labels, fwd, fb = [], [], []
-        for op in present:
-            for s in sorted(ops[op], key=float):
-                labels.append(f"{op}\n{s} MB")
-                fwd.append(ops[op][s]["ratio_fwd"])
-                fb.append(ops[op][s]["ratio_fwd_bwd"])
-        idx = range(len(labels))
-        ax.bar([i - 0.2 for i in idx], fwd, 0.4, label="forward")
-        ax.bar([i + 0.2 for i in idx], fb, 0.4, label="forward+backward")
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.axhline(TARGET_RATIO, color="red", ls="--", lw=0.8, label=f"target {TARGET_RATIO}")
-        ax.set_xticks(list(idx))
-        ax.set_xticklabels(labels, fontsize=6)
-        ax.set_ylabel("keras_comm / raw TF time")
-        ax.set_title(f"Layer overhead, {n} workers (median of paired ratios)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"overhead_{n}workers.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-
-    rs = results.get("reduce_scatter", [])
-    if rs:
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        labels = [f"n={r['workers']}\n{r['size_mb']:g} MB" for r in rs]
-        idx = range(len(rs))
-        ax.bar([i - 0.2 for i in idx], [r["ours_a2a_sum_s"] * 1e3 for r in rs], 0.4, label="keras_comm (all-to-all + sum)")
-        ax.bar([i + 0.2 for i in idx], [r["allreduce_slice_s"] * 1e3 for r in rs], 0.4, label="all-reduce + slice")
-        ax.set_xticks(list(idx))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("ms")
-        ax.set_yscale("log")
-        ax.set_title("ReduceScatter on CPU")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "reduce_scatter.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-
-    tr = results.get("training", {})
-    scaling = tr.get("scaling")
-    if isinstance(scaling, list) and scaling:
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        for model in sorted({r["model"] for r in scaling}):
-            rows = [r for r in scaling if r["model"] == model]
-            ax.plot([r["workers"] for r in rows], [r["samples_per_s"] for r in rows], marker="o", label=model)
-        ax.set_xlabel("workers")
-        ax.set_ylabel("samples/s")
-        ax.set_title("model.fit throughput (fixed per-replica batch)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "training_scaling.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    po = tr.get("parallel_optimizer", {})
-    if isinstance(po, dict) and po.get("rows"):
-        rows = po["rows"]
-        labels = ["plain" if r["config"] is None else f"acc{r['config'][0]}/z{r['config'][1]}" for r in rows]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
-        a1.bar(labels, [r["time_per_sample_us"] for r in rows])
-        a1.set_ylabel("µs per sample")
-        a1.set_title("time per sample")
-        a2.bar(labels, [(r["state_bytes"] or 0) / _stats.MIB for r in rows])
-        a2.set_ylabel("MiB per replica")
-        a2.set_title("optimizer state (state_bytes)")
-        for a in (a1, a2):
-            a.tick_params(axis="x", labelsize=7)
-        fig.suptitle(f"ParallelOptimizer, {tr.get('parallel_optimizer_workers')} workers")
-        fig.tight_layout()
-        path = out_dir / "parallel_optimizer.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+    with matplotlib.rc_context(PLOT_STYLE):
+        coll = results.get("collectives", {})
+        for n, ops in sorted(coll.items(), key=lambda kv: int(kv[0])):
+            if "error" in ops:
+                continue
+            present = [op for op in _stats.OPS if op in ops]
+            save(_plot_busbw(plt, results, n, ops, present), f"busbw_{n}workers.png")
+            save(_plot_overhead(plt, n, ops, present), f"overhead_{n}workers.png")
+        rs = results.get("reduce_scatter", [])
+        if rs:
+            save(_plot_reduce_scatter(plt, rs), "reduce_scatter.png")
+        tr = results.get("training", {})
+        scaling = tr.get("scaling")
+        if isinstance(scaling, list) and scaling:
+            save(_plot_scaling(plt, scaling), "training_scaling.png")
+        po = tr.get("parallel_optimizer", {})
+        if isinstance(po, dict) and po.get("rows"):
+            save(_plot_parallel_optimizer(plt, po["rows"], tr.get("parallel_optimizer_workers")),
+                 "parallel_optimizer.png")
     return [str(p) for p in paths]
 
 

@@ -214,7 +214,7 @@ def measure_parallel_optimizer(strategy, configs, per_replica_batch, steps, roun
             start = acc - 1 if config is not None else 1
             entry["times"].append((timer.ends[-1] - timer.ends[start]) / (steps - 1 - start))
             if entry["info"] is None:
-                entry["info"] = _describe(po, steps, global_batch)
+                entry["info"] = _describe(po, steps, global_batch, entry["model"])
     out = []
     for entry in entries:
         row = {
@@ -232,9 +232,20 @@ def measure_parallel_optimizer(strategy, configs, per_replica_batch, steps, roun
     return out
 
 
-def _describe(po, steps, global_batch):
+def _optimizer_state_bytes(model):
+    """Bytes of a plain Keras optimizer's variables (one replica's copy)."""
+    import numpy as np
+
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.optimizer.variables)
+
+
+def _describe(po, steps, global_batch, model):
     if po is None:
-        return {"state_bytes": None, "collectives_per_sample": None}
+        # Plain fit: every replica holds the whole optimizer state (Adam's two
+        # moments and its step counter), the figure ZeRO shards.
+        state = _optimizer_state_bytes(model)
+        return {"state_bytes": state, "state_breakdown": {"optimizer": state},
+                "unsharded_state_bytes": {"optimizer": state}, "collectives_per_sample": None}
     info = {
         "state_bytes": int(po.state_bytes()),
         "state_breakdown": {k: int(v) for k, v in po.state_bytes(breakdown=True).items()},
@@ -289,6 +300,9 @@ def summarize_scaling(per_n):
                 "step_s": med,
                 "samples_per_s": gb / med,
                 "rounds": len(times),
+                # Run-to-run spread: the slowest and fastest round.
+                "step_min_s": min(times),
+                "step_max_s": max(times),
             }
             if n == 1:
                 base[name] = row["samples_per_s"]
@@ -313,6 +327,7 @@ def summarize_parallel_optimizer(ranks):
         row["micro_batch_s"] = med
         row["time_per_sample_us"] = med / entry["global_micro_batch"] * 1e6
         row["rounds"] = len(times)
+        row["micro_batch_min_s"], row["micro_batch_max_s"] = min(times), max(times)
         if entry["config"] is None:
             plain = med
         rows.append(row)
