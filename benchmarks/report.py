@@ -4,7 +4,7 @@
 the JSON-able dict `benchmarks.run` builds, so a report can be regenerated
 from a saved ``benchmarks.json`` without rerunning anything:
 
-    python -m benchmarks.report results/benchmarks.json
+    python -m benchmarks.report results/benchmarks.json [--out DIR]
 """
 
 import json
@@ -506,14 +506,21 @@ def write_plots(results, out_dir):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m benchmarks.report results/benchmarks.json", file=sys.stderr)
-        return 2
-    path = Path(argv[0])
-    results = json.loads(path.read_text())
-    results["plots"] = write_plots(results, path.parent)
-    write_markdown(results, path.parent / "benchmarks.md")
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Redraw benchmarks.md and the plots from a saved benchmarks.json.",
+    )
+    parser.add_argument("results", type=Path, help="a benchmarks.json written by benchmarks.run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for benchmarks.md and the PNGs (default: the JSON's)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    out = args.out or args.results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    results = json.loads(args.results.read_text())
+    results["plots"] = write_plots(results, out)
+    write_markdown(results, out / "benchmarks.md")
     return 0
 
 

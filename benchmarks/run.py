@@ -14,7 +14,7 @@ Modes: default (full: 1/4/16/64 MB, >= 10 timed iterations, training on
 1/2/4 workers, fusion of 8/32/128 mirrors of 4 and 16 MB in all),
 ``--quick`` (under 5 minutes: 2 workers, 1 and 16 MB), ``--smoke``
 (structure only, for the test suite). ``--docs`` copies the
-table and plots into docs/performance/.
+table, the plots and benchmarks.json into docs/performance/.
 
 The driver itself never imports TensorFlow: the launcher is loaded from its
 file (it uses only the standard library), as tests/_cluster.py does.
@@ -162,7 +162,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-training", action="store_true", help="skip the training benchmarks")
     parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
     parser.add_argument("--no-fusion", action="store_true", help="skip the fusion-group benchmark")
-    parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md and the plots into docs/performance/")
+    parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
                         help="benchmark keras_comm as committed at git REV (e.g. HEAD), extracted "
@@ -415,6 +415,9 @@ def main(argv=None):
     if args.docs:
         DOCS_DIR.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "benchmarks.md", DOCS_DIR / "benchmarks.md")
+        # The numbers too, so the page and plots can be redrawn without a rerun
+        # (python -m benchmarks.report docs/performance/benchmarks.json).
+        shutil.copy(out / "benchmarks.json", DOCS_DIR / "benchmarks.json")
         for plot in results["plots"]:
             shutil.copy(plot, DOCS_DIR / Path(plot).name)
     say(f"wrote {out / 'benchmarks.json'}, {out / 'benchmarks.md'} and {len(results['plots'])} plots "

@@ -52,6 +52,30 @@ def on_files(files, config):
     return files
 
 
+_SPREAD = "Error bars: p10–p90 of the timed iterations (the run-to-run spread)."
+PLOT_CAPTIONS = {
+    "busbw_2workers": ("Bus bandwidth, 2 workers",
+                       "keras_comm's layers against TensorFlow's raw collectives and MPI. " + _SPREAD),
+    "busbw_4workers": ("Bus bandwidth, 4 workers",
+                       "Four workers on two cores: time-sharing shows as much as communication. "
+                       + _SPREAD),
+    "overhead_2workers": ("Layer overhead, 2 workers",
+                          "keras_comm time / raw TF time, paired iteration by iteration; the dashed "
+                          "line is the 1.05 target. Error bars: p10–p90 of the paired ratios."),
+    "overhead_4workers": ("Layer overhead, 4 workers",
+                          "As above, on 4 workers. Error bars: p10–p90 of the paired ratios."),
+    "reduce_scatter": ("ReduceScatter on CPU",
+                       "All-to-all plus a local sum against an all-reduce followed by a slice."),
+    "training_scaling": ("model.fit throughput",
+                         "Samples per second with a fixed per-replica batch. Error bars: the "
+                         "slowest and fastest round."),
+    "parallel_optimizer": ("ParallelOptimizer: time and optimizer state",
+                           "Top: time per sample (error bars: slowest and fastest round). Bottom: "
+                           "the optimizer state each replica holds, by part; plain `fit` holds "
+                           "Adam's two moments, ZeRO-1 and 2 hold half of them on 2 workers."),
+}
+
+
 def _results_markdown():
     page = PERF_DIR / "benchmarks.md"
     plots = sorted(PERF_DIR.glob("*.png"))
@@ -67,7 +91,11 @@ def _results_markdown():
         lines.append("The full tables, with the machine they were measured on: "
                      "[measured results](performance/benchmarks.md).\n")
     for plot in plots:
-        lines.append(f"![{plot.stem}](performance/{plot.name})\n")
+        title, caption = PLOT_CAPTIONS.get(plot.stem, (plot.stem.replace("_", " "), ""))
+        lines.append(f"### {title}\n")
+        lines.append(f"![{title}](performance/{plot.name})\n")
+        if caption:
+            lines.append(f"{caption}\n")
     return "\n".join(lines)
 
 

@@ -217,3 +217,78 @@ def test_api_page_renders_every_public_name(site):
             if not anchor.search(html):
                 missing.append(f"{m.__name__}.{name}")
     assert not missing, f"public names missing from docs/api.md's page: {missing}"
+
+
+# --- formulas ------------------------------------------------------------------
+#
+# pymdownx.arithmatex marks each formula (\( \), \[ \]) with class "arithmatex";
+# MathJax, copied into the site by docs/_hooks.py, typesets them in the browser.
+# A formula the extension missed, or a page without MathJax, shows raw TeX.
+
+_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\\frac|\\sum|\\lceil")
+_HIDDEN = re.compile(r"<(script|style|pre|code|textarea)\b.*?</\1>", re.S)
+_MATH = re.compile(r'<(span|div) class="arithmatex">.*?</\1>', re.S)
+
+
+def _visible_text(html):
+    return re.sub(r"<[^>]+>", " ", _HIDDEN.sub(" ", html))
+
+
+def _pages(out):
+    return sorted(p for p in out.rglob("index.html") if p.parent != out / "search")
+
+
+def test_formulas_are_marked_for_mathjax_and_mathjax_ships_with_the_site(site):
+    proc, out = site
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "javascripts" / "mathjax" / "tex-svg.js").stat().st_size > 100_000
+    with_math = []
+    for page in _pages(out):
+        html = page.read_text()
+        # Outside the marked formulas (and code), no TeX may be left to show raw.
+        raw = _TEX.findall(_visible_text(_MATH.sub(" ", html)))
+        assert not raw, f"{page.relative_to(out)}: TeX outside a formula, shown raw: {raw[:5]}"
+        if 'class="arithmatex"' in html:
+            with_math.append(page)
+            scripts = re.findall(r'<script src="([^"]+)"', html)
+            assert any(s.endswith("javascripts/mathjax-config.js") for s in scripts), page
+            assert any(s.endswith("javascripts/mathjax/tex-svg.js") for s in scripts), page
+            # The config must come first: MathJax reads window.MathJax when it loads.
+            names = [s.rsplit("/", 1)[-1] for s in scripts]
+            assert names.index("mathjax-config.js") < names.index("tex-svg.js"), page
+    pages = {p.parent.name for p in with_math}
+    assert {"performance", "parallel_optimizer", "concepts"} <= pages, pages
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.mark.parametrize("page", ["performance", "parallel_optimizer", "parallelism"])
+def test_formulas_render_in_a_browser(site, page, tmp_path):
+    """Headless Chromium opens the built page from disk (offline) and MathJax typesets it."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium) to open the built site")
+    proc, out = site
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    html_file = out / page / "index.html"
+    formulas = len(_MATH.findall(html_file.read_text()))
+    assert formulas, f"{page} has no formulas to check"
+    run = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path}", "--virtual-time-budget=15000", "--dump-dom",
+         html_file.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    dom = run.stdout
+    assert "</html>" in dom, f"chromium printed no page:\n{run.stderr[-2000:]}"
+    typeset = dom.count("<mjx-container")
+    assert typeset >= formulas, f"{page}: {typeset} of {formulas} formulas typeset"
+    raw = _TEX.findall(_visible_text(dom))
+    assert not raw, f"{page}: raw TeX left after MathJax ran: {raw[:5]}"
