@@ -293,6 +293,7 @@ PLOT_STYLE = {
     "ytick.labelsize": 11, "legend.fontsize": 11, "figure.titlesize": 14,
 }
 SPREAD_NOTE = "bars: p10–p90 of the timed iterations"
+OVERHEAD_XMAX = 2.0
 
 
 def _busbw_spread(op, n, variant):
@@ -378,18 +379,23 @@ def _plot_overhead(plt, n, ops, present):
     values = [v for v in fwd + fb if v == v]
     spread_hi = [v + e for v, e in zip(fwd + fb, fwd_err[1] + fb_err[1]) if v == v]
     spread_lo = [v - e for v, e in zip(fwd + fb, fwd_err[0] + fb_err[0]) if v == v]
+    # The axis stops at OVERHEAD_XMAX: one noisy iteration must not squash every bar.
+    clipped = bool(values) and max(spread_hi) > OVERHEAD_XMAX
     if values:
-        ax.set_xlim(min(0.8, min(spread_lo) - 0.02), max(1.2, max(spread_hi) + 0.02))
+        ax.set_xlim(max(0.0, min(0.8, min(spread_lo) - 0.02)), min(OVERHEAD_XMAX, max(1.2, max(spread_hi) + 0.02)))
     ax.set_xlabel("keras_comm time / raw TF time (lower is better)")
     title = f"Layer overhead, {n} workers: median of paired ratios"
-    ax.set_title(title + (f"\n({SPREAD_NOTE})" if has_spread else ""))
+    note = SPREAD_NOTE + (f", cut at {OVERHEAD_XMAX:g}" if clipped else "")
+    ax.set_title(title + (f"\n({note})" if has_spread else ""))
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09 - 0.5 / len(labels)), ncol=3, frameon=False)
     fig.tight_layout()
     return fig
 
 
 def _plot_reduce_scatter(plt, rs):
+    from matplotlib import ticker
+
     fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 4.2))
     labels = [f"{r['workers']} workers\n{r['size_mb']:g} MB" for r in rs]
     idx = list(range(len(rs)))
@@ -400,8 +406,11 @@ def _plot_reduce_scatter(plt, rs):
     ax.set_xticks(idx, labels)
     ax.set_ylabel("ms (median, lower is better)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_title("ReduceScatter on CPU")
-    ax.legend()
+    ax.legend(loc="upper left")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the legend above the bars
     fig.tight_layout()
     return fig
 

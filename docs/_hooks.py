@@ -90,6 +90,9 @@ def _results_markdown():
     if page.exists():
         lines.append("The full tables, with the machine they were measured on: "
                      "[measured results](performance/benchmarks.md).\n")
+    # In the order of the tables (the captions' order), then any others.
+    order = list(PLOT_CAPTIONS)
+    plots.sort(key=lambda plot: (order.index(plot.stem) if plot.stem in order else len(order), plot.name))
     for plot in plots:
         title, caption = PLOT_CAPTIONS.get(plot.stem, (plot.stem.replace("_", " "), ""))
         lines.append(f"### {title}\n")
