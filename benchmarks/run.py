@@ -63,7 +63,7 @@ MODES = {
         "sizes_mb": [0.25], "iters": 3, "warmup": 1, "workers": [2],
         "training_workers": [2], "models": ["mlp"],
         "scaling_steps": 4, "scaling_rounds": 1,
-        "po_configs": [[1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
+        "po_configs": [None, [1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
         "fusion_counts": [8], "fusion_sizes_mb": [0.25],
     },
 }

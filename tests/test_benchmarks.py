@@ -46,6 +46,8 @@ def test_shapes_use_nccl_tests_sizes():
 def test_per_iteration_max_and_paired_ratio():
     assert _stats.per_iteration_max([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
     assert _stats.paired_ratio([2, 3, 4], [1, 3, 4]) == 1.0
+    # The spread of the same per-iteration ratios (2, 1, 1): p10 and p90.
+    assert _stats.paired_ratio_spread([2, 3, 4], [1, 3, 4]) == (1.0, 1.8)
     assert _stats.bytes_sent_per_rank("all_reduce", 1024, 4) == 1536
     assert _stats.bytes_sent_per_rank("all_to_all", 1024, 4) == 768
 
@@ -96,6 +98,8 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         for row in by_size.values():
             assert VARIANTS <= set(row["variants"])
             assert {"ratio_fwd", "ratio_fwd_bwd"} <= set(row)
+            for kind in ("fwd", "fwd_bwd"):  # the run-to-run spread the plots draw
+                assert row[f"ratio_{kind}_p10"] <= row[f"ratio_{kind}"] <= row[f"ratio_{kind}_p90"]
             fwd = row["variants"]["layer_fwd"]
             assert {"median_s", "algbw_GBps", "busbw_GBps", "iters"} <= set(fwd)
             assert fwd["median_s"] > 0
@@ -121,6 +125,14 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         assert configs == results["parameters"]["po_configs"]
         for row in po["rows"]:
             assert row["state_bytes"] > 0 and row["time_per_sample_us"] > 0
+            assert row["micro_batch_min_s"] <= row["micro_batch_s"] <= row["micro_batch_max_s"]
+        # Plain fit's optimizer state is measured, not drawn as 0: Adam's two
+        # moments, as ParallelOptimizer counts them unsharded (plus the step).
+        plain = po["rows"][configs.index(None)]
+        unsharded = po["rows"][configs.index([1, 0])]["unsharded_state_bytes"]["optimizer"]
+        assert unsharded <= plain["state_bytes"] <= unsharded + 16, (plain, unsharded)
+    for row in training["scaling"]:
+        assert row["step_min_s"] <= row["step_s"] <= row["step_max_s"]
 
     markdown = (out / "benchmarks.md").read_text()
     assert "| op | MB |" in markdown
@@ -132,3 +144,16 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         assert path.suffix == ".png" and path.stat().st_size > 0
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({path.name})" in markdown
+
+
+def test_docs_tables_are_drawn_from_the_committed_numbers():
+    """docs/performance/benchmarks.md is what benchmarks.report makes of benchmarks.json."""
+    from benchmarks import report
+
+    docs = REPO_DIR / "docs" / "performance"
+    if not (docs / "benchmarks.json").exists():
+        pytest.skip("no benchmark results in docs/performance/")
+    results = json.loads((docs / "benchmarks.json").read_text())
+    assert report.markdown(results) == (docs / "benchmarks.md").read_text()
+    names = sorted(Path(p).name for p in results["plots"])
+    assert names == sorted(p.name for p in docs.glob("*.png"))
