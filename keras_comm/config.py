@@ -20,8 +20,9 @@ Both are read when a collective is traced: set them the same way on every
 worker, before building the training function.
 """
 
-import math
 import threading
+
+from keras_comm import _validation
 
 _DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -29,27 +30,8 @@ _lock = threading.Lock()
 _timeout_seconds = _DEFAULT_TIMEOUT_SECONDS
 
 
-def validate_timeout(timeout, name="timeout"):
-    """Returns `timeout` as a float, or raises if it is not a positive number.
-
-    Args:
-        timeout: seconds, a finite number > 0.
-        name: the argument name to use in the error message.
-
-    Raises:
-        TypeError: if `timeout` is not a number.
-        ValueError: if `timeout` is not finite and > 0.
-    """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"`{name}` must be a number of seconds. Received: {name}={timeout!r}"
-        )
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(
-            f"`{name}` must be a finite number of seconds > 0, so that a missing "
-            f"peer raises an error instead of hanging. Received: {name}={timeout!r}"
-        )
-    return float(timeout)
+# The check lives with the package's other argument checks.
+validate_timeout = _validation.timeout
 
 
 def get_timeout():

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.framework import ops as tf_ops
 
+from keras_comm import _validation
 from keras_comm import launch as _launch
 
 # tf.distribute allocates group keys from 1 upwards, one per device set; ours
@@ -60,31 +61,7 @@ class Group:
     def __init__(self, ranks):
         if isinstance(ranks, Group):
             ranks = ranks.ranks
-        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-            raise TypeError(
-                "`group` must be a list of global ranks, a keras_comm.Group or "
-                f"None. Received: group={ranks!r}"
-            )
-        ranks = list(ranks)
-        for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int):
-                raise TypeError(
-                    "`group` must contain int ranks. "
-                    f"Received: group={ranks!r} (element {r!r})"
-                )
-        if not ranks:
-            raise ValueError("`group` must not be empty. Received: group=[]")
-        if any(r < 0 for r in ranks):
-            raise ValueError(
-                f"`group` ranks must be >= 0. Received: group={ranks!r}"
-            )
-        if len(set(ranks)) != len(ranks):
-            dups = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise ValueError(
-                f"`group` must not repeat a rank (repeated: {dups}). "
-                f"Received: group={ranks!r}"
-            )
-        self._ranks = tuple(sorted(int(r) for r in ranks))
+        self._ranks = _validation.ranks(ranks, "group")
 
     @property
     def ranks(self):
