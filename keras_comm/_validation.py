@@ -196,24 +196,26 @@ def shape(value, name="shape"):
     return value
 
 
-def renamed(kwargs, old, new, value, default):
+def renamed(kwargs, old, new, value, default, check=None):
     """The value of an argument renamed from `old` to `new`.
 
-    Configs and calls written before the rename pass `old` (it arrives in
-    `kwargs`, from which it is removed); passing both is an error.
+    Calls and configs written before the rename pass `old`; it arrives in
+    `kwargs`, from which it is removed. Passing both names is an error.
 
     Args:
         kwargs: the caller's remaining keyword arguments (modified).
         old, new: the argument's old and new names.
         value: the value passed as `new`.
         default: `new`'s default, telling whether `new` was passed.
+        check: optional check ``check(value, name)`` of the value, run under
+            the name the caller used.
     """
-    if old not in kwargs:
-        return value
-    old_value = kwargs.pop(old)
-    if value != default:
-        raise TypeError(
-            f"`{old}` is the old name of `{new}`; pass only `{new}`. "
-            f"Received: {new}={value!r}, {old}={old_value!r}"
-        )
-    return old_value
+    name = new
+    if old in kwargs:
+        if value != default:
+            raise TypeError(
+                f"`{old}` is the old name of `{new}`; pass only `{new}`. "
+                f"Received: {new}={value!r}, {old}={kwargs[old]!r}"
+            )
+        name, value = old, kwargs.pop(old)
+    return value if check is None else check(value, name)

@@ -217,7 +217,7 @@ def test_timeout_reaches_collectives():
 # ---------------------------------------------------------------------------
 
 LAYERS = [
-    (kc_layers.AllGather, {"mean_flag": True, "group": [0, 1], "timeout": 9.0}),
+    (kc_layers.AllGather, {"mean": True, "group": [0, 1], "timeout": 9.0}),
     (kc_layers.ReduceScatter, {"op": "sum", "group": None, "timeout": None}),
     (kc_layers.CollectiveGather, {"dest": 1, "group": [1, 0], "timeout": None}),
     (kc_layers.CollectiveScatter, {"src": 2, "group": None, "timeout": 3}),

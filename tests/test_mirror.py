@@ -396,11 +396,11 @@ def test_bad_input(call, error, text):
 # ---------------------------------------------------------------------------
 
 LAYERS = [
-    (layers.MirrorOperator, dict(mean_flag=False, group=[0], timeout=12.0)),
-    (layers.MirrorMiniStepOperator, dict(accumulation_steps=4, mean_flag=True, group=None)),
-    (layers.MirrorMicroStepOperator, dict(mean_flag=False, optimizer_shard=True)),
-    (layers.MiniStepAllGather, dict(mean_flag=False, accumulation_steps=2)),
-    (layers.MicroStepAllGather, dict(mean_flag=True, group=[0])),
+    (layers.MirrorOperator, dict(mean=False, group=[0], timeout=12.0)),
+    (layers.MirrorMiniStepOperator, dict(accumulation_steps=4, mean=True, group=None)),
+    (layers.MirrorMicroStepOperator, dict(mean=False, optimizer_shard=True)),
+    (layers.MiniStepAllGather, dict(mean=False, accumulation_steps=2)),
+    (layers.MicroStepAllGather, dict(mean=True, group=[0])),
 ]
 
 
@@ -429,6 +429,19 @@ def test_layer_bad_arguments(make, error, text):
     with pytest.raises(error, match="Received") as info:
         make()
     assert text in str(info.value)
+
+
+@pytest.mark.parametrize("cls, kwargs", LAYERS, ids=lambda v: getattr(v, "__name__", ""))
+def test_layer_accepts_old_mean_flag_keyword_and_config_key(cls, kwargs):
+    # `mean` was called `mean_flag`; calls and saved configs using it still work.
+    old = {("mean_flag" if k == "mean" else k): v for k, v in kwargs.items()}
+    layer = cls(**old)
+    assert layer.mean == kwargs["mean"] == layer.mean_flag
+    config = layer.get_config()
+    config["mean_flag"] = config.pop("mean")
+    assert cls.from_config(config).get_config() == layer.get_config()
+    with pytest.raises(TypeError, match="old name of `mean`"):
+        cls(**old, mean=False)  # the default is True
 
 
 def test_layer_needs_known_shape():

@@ -20,7 +20,9 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 # Config keys renamed after the fixture was saved: old key -> new key. A
 # rename must still load the old key (from_config accepts it).
-RENAMED_KEYS = {}
+RENAMED_KEYS = {
+    "mean_flag": "mean",  # AllGather and the mirror layers, like ParallelOptimizer's `mean`
+}
 
 
 def _load():

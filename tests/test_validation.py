@@ -89,3 +89,7 @@ def test_renamed_argument():
     assert V.renamed({}, "mean_flag", "mean", False, True) is False
     with pytest.raises(TypeError, match="old name of `mean`.*Received: mean=False, mean_flag=True"):
         V.renamed({"mean_flag": True}, "mean_flag", "mean", False, True)
+    with pytest.raises(TypeError, match="Received: mean_flag=1"):
+        V.renamed({"mean_flag": 1}, "mean_flag", "mean", True, True, check=V.boolean)
+    with pytest.raises(TypeError, match="Received: mean=1"):
+        V.renamed({}, "mean_flag", "mean", 1, True, check=V.boolean)

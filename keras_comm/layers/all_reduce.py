@@ -16,16 +16,15 @@ class AllReduce(CollectiveLayer):
     of every replica's loss): SUM -> all-reduce SUM of dy; PROD -> all-reduce
     SUM of dy times the product of the *other* members' inputs (exact at
     zeros); MAX/MIN -> all-reduce SUM of dy where x equals the result (on
-    ties every tied member gets the full gradient: the reference's
-    convention). See `keras_comm.ops.all_reduce`.
+    ties every tied member gets the full gradient, as MindSpore's AllReduce
+    does). See `keras_comm.ops.all_reduce`.
 
     Replicas outside `group` pass their input (and gradient) through.
     Outside any strategy the layer is the identity.
 
     Fusion: call the layer on a list (or dict) of tensors to all-reduce them
     in ONE transfer per dtype (forward and backward). Separate AllReduce and
-    MirrorOperator layers given the same `fusion` id > 0 (the reference's
-    fusion-group attribute) are packed into one transfer per step when they
+    MirrorOperator layers given the same `fusion` id > 0 are packed into one transfer per step when they
     do not depend on each other (forward, and backward separately), in
     `model.fit`/`evaluate`/`predict` and inside `keras_comm.ops.fusion_scope`.
     Values are the same as unfused. See `keras_comm.ops.all_reduce`.
@@ -33,7 +32,7 @@ class AllReduce(CollectiveLayer):
     Args:
         op: a `keras_comm.ops.ReduceOp` or "sum", "prod", "max", "min".
         group: None (all replicas) or a list of global ranks.
-        fusion: int >= 0, the reference's fusion group id (0: no fusion).
+        fusion: int >= 0, the fusion group id (0: no fusion).
         timeout: seconds before a missing peer raises DeadlineExceeded;
             None for `keras_comm.get_timeout()`.
         **kwargs: base `keras.layers.Layer` arguments (name, dtype, ...).

@@ -2,13 +2,12 @@
 
 import keras
 
-from keras_comm import topology
-from keras_comm.layers.point_to_point import _timeout
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops.all_swap import all_swap
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class AllSwap(keras.layers.Layer):
+class AllSwap(CollectiveLayer):
     """Variable-size exchange: member i sends ``send_sizes[j]`` rows to member j.
 
     Called on ``[x, send_sizes]`` or ``[x, send_sizes, recv_sizes]``:
@@ -31,9 +30,7 @@ class AllSwap(keras.layers.Layer):
     """
 
     def __init__(self, group=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
-        self.group = topology.as_group(group)
-        self.timeout = _timeout(timeout)
+        super().__init__(group=group, timeout=timeout, **kwargs)
 
     def _split(self, inputs):
         if not isinstance(inputs, (list, tuple)) or len(inputs) not in (2, 3):
@@ -46,18 +43,13 @@ class AllSwap(keras.layers.Layer):
     def call(self, inputs):
         x, send_sizes, recv_sizes = self._split(inputs)
         return all_swap(
-            x, send_sizes, recv_sizes,
-            None if self.group is None else list(self.group.ranks),
-            timeout=self.timeout, name=self.name,
+            x, send_sizes, recv_sizes, self.group, timeout=self.timeout, name=self.name
         )
 
     def compute_output_spec(self, inputs):
         x, _, _ = self._split(inputs)
         return keras.KerasTensor((None,) + tuple(x.shape[1:]), dtype=x.dtype)
 
-    def get_config(self):
-        config_ = super().get_config()
-        config_.update(
-            group=None if self.group is None else list(self.group.ranks), timeout=self.timeout
-        )
-        return config_
+    def compute_output_shape(self, input_shape):
+        x_shape, _, _ = self._split(input_shape)
+        return (None,) + tuple(x_shape[1:])

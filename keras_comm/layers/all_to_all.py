@@ -2,16 +2,9 @@
 
 import keras
 
+from keras_comm import _validation
 from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops.all_to_all import all_to_all
-
-
-def _int(value, name, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}")
-    return value
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -38,9 +31,9 @@ class AlltoAll(CollectiveLayer):
 
     def __init__(self, split_count, split_dim, concat_dim, group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.split_count = _int(split_count, "split_count", 1)
-        self.split_dim = _int(split_dim, "split_dim", -(2**31))
-        self.concat_dim = _int(concat_dim, "concat_dim", -(2**31))
+        self.split_count = _validation.integer(split_count, "split_count", minimum=1)
+        self.split_dim = _validation.integer(split_dim, "split_dim")
+        self.concat_dim = _validation.integer(concat_dim, "concat_dim")
         if self.group is not None and self.split_count != self.group.size:
             raise ValueError(
                 f"`split_count` must equal the size of `group` {list(self.group.ranks)} "

@@ -3,7 +3,6 @@
 import keras
 
 from keras_comm.layers._base import CollectiveLayer
-from keras_comm.layers._base import _validate_rank_in_group
 from keras_comm.ops.broadcast import broadcast
 from keras_comm.ops.broadcast import reduce
 from keras_comm.ops.broadcast import validate_gradient
@@ -17,8 +16,8 @@ class Broadcast(CollectiveLayer):
     (default) the exact adjoint, the SUM of every member's dy at `root` and
     zeros elsewhere: the gradient of the global objective (the sum of the
     replicas' losses), so training matches single-process training. With
-    ``gradient="identity"`` dy passes through unchanged: the reference's
-    (MindSpore's) choice, right when every member keeps its own copy and the
+    ``gradient="identity"`` dy passes through unchanged (MindSpore's
+    Broadcast does this), right when every member keeps its own copy and the
     broadcast only re-synchronizes it. See `keras_comm.ops.broadcast`.
 
     Args:
@@ -32,7 +31,7 @@ class Broadcast(CollectiveLayer):
 
     def __init__(self, root=0, group=None, gradient="exact", timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.root = _validate_rank_in_group(root, self.group, "root")
+        self.root = self._group_member(root, "root")
         self.gradient = validate_gradient(gradient)
 
     def call(self, inputs):
@@ -69,7 +68,7 @@ class Reduce(CollectiveLayer):
 
     def __init__(self, dest=0, group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.dest = _validate_rank_in_group(dest, self.group, "dest")
+        self.dest = self._group_member(dest, "dest")
 
     def call(self, inputs):
         return reduce(inputs, self.dest, self.group, timeout=self.timeout, name=self.name)

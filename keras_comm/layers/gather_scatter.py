@@ -3,7 +3,7 @@
 import keras
 
 from keras_comm.layers._base import CollectiveLayer
-from keras_comm.layers._base import _validate_rank_in_group
+from keras_comm.layers._base import MeanGradient
 from keras_comm.ops.gather_scatter import all_gather
 from keras_comm.ops.gather_scatter import collective_gather
 from keras_comm.ops.gather_scatter import collective_scatter
@@ -19,16 +19,17 @@ def _axis0_unknown(shape):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class AllGather(CollectiveLayer):
+class AllGather(MeanGradient, CollectiveLayer):
     """Concatenates every group member's input along axis 0, on every member.
 
     Forward: ``concat([x_0, ..., x_{n-1}], axis=0)``. Backward: reduce-scatter
-    SUM of dy (this member's slice of the summed gradient), times 1/n if
-    `mean_flag` (the reference's convention; `mean_flag=False` is the exact
-    adjoint). See `keras_comm.ops.all_gather`.
+    SUM of dy (this member's slice of the summed gradient), the exact
+    adjoint; times 1/n if `mean` (the gradient of the mean of the replicas'
+    losses). See `keras_comm.ops.all_gather`.
 
     Args:
-        mean_flag: scale the gradient by 1/group size.
+        mean: scale the gradient by 1/group size (`mean_flag`, its former
+            name, is still accepted).
         group: None (all replicas) or a list of global ranks.
         timeout: seconds; None for `keras_comm.get_timeout()`.
 
@@ -37,21 +38,13 @@ class AllGather(CollectiveLayer):
     non-members of `group` get their input back.
     """
 
-    def __init__(self, mean_flag=False, group=None, timeout=None, **kwargs):
-        super().__init__(group=group, timeout=timeout, **kwargs)
-        if not isinstance(mean_flag, bool):
-            raise TypeError(f"`mean_flag` must be a bool. Received: mean_flag={mean_flag!r}")
-        self.mean_flag = mean_flag
+    def __init__(self, mean=False, group=None, timeout=None, **kwargs):
+        super().__init__(mean, False, group=group, timeout=timeout, **kwargs)
 
     _output_shape = staticmethod(_axis0_unknown)
 
     def call(self, inputs):
-        return all_gather(inputs, self.mean_flag, self.group, timeout=self.timeout, name=self.name)
-
-    def get_config(self):
-        cfg = super().get_config()
-        cfg["mean_flag"] = self.mean_flag
-        return cfg
+        return all_gather(inputs, self.mean, self.group, timeout=self.timeout, name=self.name)
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -113,7 +106,7 @@ class CollectiveGather(CollectiveLayer):
 
     def __init__(self, dest=0, group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.dest = _validate_rank_in_group(dest, self.group, "dest")
+        self.dest = self._group_member(dest, "dest")
 
     _output_shape = staticmethod(_axis0_unknown)
 
@@ -145,7 +138,7 @@ class CollectiveScatter(CollectiveLayer):
 
     def __init__(self, src=0, group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.src = _validate_rank_in_group(src, self.group, "src")
+        self.src = self._group_member(src, "src")
 
     _output_shape = staticmethod(_axis0_unknown)
 

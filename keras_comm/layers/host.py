@@ -2,29 +2,21 @@
 
 import keras
 
-from keras_comm import topology
-from keras_comm.layers.point_to_point import _timeout
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import host as host_ops
 from keras_comm.ops.reduce_op import ReduceOp
 
 
-class _HostLayer(keras.layers.Layer):
-    def __init__(self, group=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
-        self.group = topology.as_group(group)
-        self.timeout = _timeout(timeout)
-
-    def _group(self):
-        return None if self.group is None else list(self.group.ranks)
-
-    def get_config(self):
-        config_ = super().get_config()
-        config_.update(group=self._group(), timeout=self.timeout)
-        return config_
+def _axis0(shape, group, scale):
+    # Axis 0 times (or divided by) the group size, known here only when the
+    # group is given.
+    shape = tuple(shape)
+    d0 = shape[0]
+    return ((None if group is None or d0 is None else scale(d0, group.size)),) + shape[1:]
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class HostAllGather(_HostLayer):
+class HostAllGather(CollectiveLayer):
     """All-gather along axis 0, run on the worker's CPU.
 
     On TensorFlow the collective is placed on the worker's host CPU when the
@@ -44,23 +36,24 @@ class HostAllGather(_HostLayer):
     group size, known only when the layer runs (None symbolically).
     """
 
-    def call(self, inputs):
-        return host_ops.host_all_gather(inputs, self._group(), timeout=self.timeout, name=self.name)
+    def __init__(self, group=None, timeout=None, **kwargs):
+        super().__init__(group=group, timeout=timeout, **kwargs)
 
-    def compute_output_shape(self, input_shape):
-        n = None if self.group is None else self.group.size
-        d0 = input_shape[0]
-        return ((None if n is None or d0 is None else n * d0),) + tuple(input_shape[1:])
+    def call(self, inputs):
+        return host_ops.host_all_gather(inputs, self.group, timeout=self.timeout, name=self.name)
+
+    def _output_shape(self, shape):
+        return _axis0(shape, self.group, lambda d0, n: n * d0)
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class HostReduceScatter(_HostLayer):
+class HostReduceScatter(CollectiveLayer):
     """Reduce-scatter (SUM) along axis 0, run on the worker's CPU.
 
     Placement as `HostAllGather`; on CPU replicas it is exactly
     `ReduceScatter`. Forward: sum over the group, split axis 0 in n, keep own
-    slice. Backward: HostAllGather of dy. Only op="sum" (the reference's
-    backward supports only SUM).
+    slice. Backward: HostAllGather of dy. Only op="sum": the backward, an
+    all-gather, is the adjoint of a SUM only.
 
     Args:
         op: "sum" or `keras_comm.ops.ReduceOp.SUM`.
@@ -75,21 +68,19 @@ class HostReduceScatter(_HostLayer):
         self.op = ReduceOp.from_value(op)
         if self.op is not ReduceOp.SUM:
             raise ValueError(
-                f"`op` must be 'sum': the reference defines HostReduceScatter's "
-                f"backward only for SUM. Received: op={op!r}"
+                "`op` must be 'sum': HostReduceScatter's backward (an all-gather) "
+                f"is the adjoint of a SUM only. Received: op={op!r}"
             )
 
     def call(self, inputs):
         return host_ops.host_reduce_scatter(
-            inputs, self.op, self._group(), timeout=self.timeout, name=self.name
+            inputs, self.op, self.group, timeout=self.timeout, name=self.name
         )
 
-    def compute_output_shape(self, input_shape):
-        n = None if self.group is None else self.group.size
-        d0 = input_shape[0]
-        return ((None if n is None or d0 is None else d0 // n),) + tuple(input_shape[1:])
+    def _output_shape(self, shape):
+        return _axis0(shape, self.group, lambda d0, n: d0 // n)
 
     def get_config(self):
-        config_ = super().get_config()
-        config_.update(op=self.op.value)
-        return config_
+        config = super().get_config()
+        config["op"] = self.op.value
+        return config

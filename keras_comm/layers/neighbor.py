@@ -2,13 +2,12 @@
 
 import keras
 
-from keras_comm import topology
-from keras_comm.layers.point_to_point import _timeout
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import neighbor as neighbor_ops
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class NeighborExchange(keras.layers.Layer):
+class NeighborExchange(CollectiveLayer):
     """Each rank sends tensors to some ranks and receives from others.
 
     The reference's ``NeighborExchange(send_rank_ids, recv_rank_ids,
@@ -49,8 +48,7 @@ class NeighborExchange(keras.layers.Layer):
 
     def __init__(self, send_ranks, recv_ranks, recv_shapes, send_shapes,
                  recv_dtype="float32", group=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
-        self.group = topology.as_group(group)
+        super().__init__(group=group, timeout=timeout, **kwargs)
         _, send_ranks, recv_ranks, send_shapes, recv_shapes, _ = neighbor_ops.exchange_plan(
             send_ranks, recv_ranks, send_shapes, recv_shapes, self.group
         )
@@ -62,14 +60,12 @@ class NeighborExchange(keras.layers.Layer):
             self.recv_dtype = keras.backend.standardize_dtype(recv_dtype)
         except ValueError:
             raise TypeError(f"`recv_dtype` must be a dtype. Received: recv_dtype={recv_dtype!r}") from None
-        self.timeout = _timeout(timeout)
 
     def call(self, inputs):
         inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
         return neighbor_ops.neighbor_exchange(
             inputs, self.send_ranks, self.recv_ranks, self.recv_shapes, self.send_shapes,
-            self.recv_dtype, None if self.group is None else list(self.group.ranks),
-            timeout=self.timeout, name=self.name,
+            self.recv_dtype, self.group, timeout=self.timeout, name=self.name,
         )
 
     def _out_shapes(self, input_shapes):
@@ -92,14 +88,12 @@ class NeighborExchange(keras.layers.Layer):
             send_ranks=self.send_ranks, recv_ranks=self.recv_ranks,
             recv_shapes=self.recv_shapes, send_shapes=self.send_shapes,
             recv_dtype=self.recv_dtype,
-            group=None if self.group is None else list(self.group.ranks),
-            timeout=self.timeout,
         )
         return config_
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class NeighborExchangeV2(keras.layers.Layer):
+class NeighborExchangeV2(CollectiveLayer):
     """Halo exchange of an image split over a 2-D grid of ranks (8 directions).
 
     Follows the reference's ``NeighborExchangeV2(send_rank_ids, send_lens,
@@ -129,9 +123,8 @@ class NeighborExchangeV2(keras.layers.Layer):
 
     def __init__(self, send_rank_ids, send_lens, recv_rank_ids, recv_lens,
                  data_format="NCHW", group=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(group=group, timeout=timeout, **kwargs)
         self.data_format = neighbor_ops._validate_format(data_format)  # pylint: disable=protected-access
-        self.group = topology.as_group(group)
         _, send, send_lens, recv, recv_lens, _ = neighbor_ops.halo_plan(
             send_rank_ids, send_lens, recv_rank_ids, recv_lens, self.group
         )
@@ -139,16 +132,14 @@ class NeighborExchangeV2(keras.layers.Layer):
         self.recv_rank_ids = [[-1 if v is None else v for v in r] for r in recv]
         self.send_lens = list(send_lens)
         self.recv_lens = list(recv_lens)
-        self.timeout = _timeout(timeout)
 
     def call(self, inputs):
         return neighbor_ops.neighbor_exchange_v2(
             inputs, self.send_rank_ids, self.send_lens, self.recv_rank_ids, self.recv_lens,
-            self.data_format, None if self.group is None else list(self.group.ranks),
-            timeout=self.timeout, name=self.name,
+            self.data_format, self.group, timeout=self.timeout, name=self.name,
         )
 
-    def compute_output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         shape = list(input_shape)
         if len(shape) != 4:
             raise ValueError(f"Layer {self.name!r} expects a 4-D input. Received: input_shape={tuple(input_shape)}")
@@ -164,7 +155,5 @@ class NeighborExchangeV2(keras.layers.Layer):
             send_rank_ids=self.send_rank_ids, send_lens=self.send_lens,
             recv_rank_ids=self.recv_rank_ids, recv_lens=self.recv_lens,
             data_format=self.data_format,
-            group=None if self.group is None else list(self.group.ranks),
-            timeout=self.timeout,
         )
         return config_

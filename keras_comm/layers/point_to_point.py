@@ -2,12 +2,9 @@
 
 import keras
 
-from keras_comm import config
+from keras_comm import _validation
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import point_to_point as p2p_ops
-
-
-def _timeout(timeout):
-    return None if timeout is None else config.validate_timeout(timeout)
 
 
 def _routes_config(peer):
@@ -22,7 +19,7 @@ def _routes_from_config(peer):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class Send(keras.layers.Layer):
+class Send(CollectiveLayer):
     """Sends its input from the sending rank(s) to a destination rank.
 
     Every replica runs the same model; the layer is *active* on the sending
@@ -57,33 +54,27 @@ class Send(keras.layers.Layer):
     """
 
     def __init__(self, dest, tag=0, src=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(timeout=timeout, **kwargs)
         if isinstance(dest, list):  # the serialized dict form
             dest = _routes_from_config(dest)
         self._routes = p2p_ops.routes(dest, src, "dest", "src", "sends to")
         self.dest = dest
         self.src = src
         self.tag = p2p_ops.validate_tag(tag)
-        self.timeout = _timeout(timeout)
 
     def call(self, inputs):
         return p2p_ops.send(
             inputs, self.dest, self.tag, src=self.src, timeout=self.timeout, name=self.name
         )
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
     def get_config(self):
-        config_ = super().get_config()
-        config_.update(
-            dest=_routes_config(self.dest), tag=self.tag, src=self.src, timeout=self.timeout
-        )
-        return config_
+        config = super().get_config()
+        config.update(dest=_routes_config(self.dest), tag=self.tag, src=self.src)
+        return config
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class Receive(keras.layers.Layer):
+class Receive(CollectiveLayer):
     """Returns, on the receiving rank(s), the tensor their source sent.
 
     Called on a template tensor (for example the output of the matching
@@ -96,7 +87,8 @@ class Receive(keras.layers.Layer):
 
     Forward: receive from `src` (receiving ranks), pass through (others).
     Backward: Send reversed: send dy back to `src`; the template's gradient
-    is zeros on receiving ranks (it is a dummy input, as in the reference).
+    is zeros on receiving ranks (it only gives the shape, as MindSpore's
+    Receive's dummy input does).
 
     Args:
         src: source global rank (int), or a dict
@@ -113,24 +105,14 @@ class Receive(keras.layers.Layer):
     """
 
     def __init__(self, src, tag=0, shape=None, dtype="float32", dest=None, timeout=None, **kwargs):
-        super().__init__(dtype=dtype, **kwargs)
+        super().__init__(timeout=timeout, dtype=dtype, **kwargs)
         if isinstance(src, list):
             src = _routes_from_config(src)
         self._routes = p2p_ops.routes(src, dest, "src", "dest", "receives from")
         self.src = src
         self.dest = dest
         self.tag = p2p_ops.validate_tag(tag)
-        if shape is None or isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-            raise TypeError(
-                "`shape` must be the received tensor's shape, a list of ints or "
-                f"None. Received: shape={shape!r}"
-            )
-        shape = tuple(shape)
-        for d in shape:
-            if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
-                raise ValueError(f"`shape` entries must be ints >= 0 or None. Received: shape={shape!r}")
-        self.shape = shape
-        self.timeout = _timeout(timeout)
+        self.shape = _validation.shape(shape, "shape")
 
     def _check(self, input_shape):
         input_shape = tuple(input_shape)
@@ -148,17 +130,17 @@ class Receive(keras.layers.Layer):
             inputs, self.src, self.tag, dest=self.dest, timeout=self.timeout, name=self.name
         )
 
-    def compute_output_shape(self, input_shape):
-        self._check(input_shape)
-        return tuple(b if b is not None else a for a, b in zip(input_shape, self.shape))
+    def _output_shape(self, shape):
+        self._check(shape)
+        return tuple(b if b is not None else a for a, b in zip(shape, self.shape))
+
+    def compute_output_spec(self, inputs):
+        # The received tensor has the layer's dtype, whatever the template's.
+        return keras.KerasTensor(self._output_shape(inputs.shape), dtype=self.compute_dtype)
 
     def get_config(self):
-        config_ = super().get_config()
-        config_.update(
-            src=_routes_config(self.src),
-            tag=self.tag,
-            shape=list(self.shape),
-            dest=self.dest,
-            timeout=self.timeout,
+        config = super().get_config()
+        config.update(
+            src=_routes_config(self.src), tag=self.tag, shape=list(self.shape), dest=self.dest
         )
-        return config_
+        return config

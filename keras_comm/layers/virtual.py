@@ -1,33 +1,21 @@
 """Virtual layers: identity forward, bookkeeping backward.
 
 Thin wrappers of `keras_comm.ops.virtual`; see there for the exact rules.
-Layers with a buffer own it: a non-trainable per-replica ``accumulator``
-weight (zeros, ``synchronization="on_read"``), created in ``build``. Build
-them under ``strategy.scope()``.
+Layers with a buffer own it (see `PerReplicaAccumulator`): build them under
+``strategy.scope()``.
 """
 
 import keras
 
-from keras_comm.layers.mirror import _check_group
-from keras_comm.layers.mirror import _check_timeout
-from keras_comm.layers.mirror import _group_size
-from keras_comm.layers.mirror import _static_shape
-from keras_comm.layers.mirror import _tf_variable
-from keras_comm.layers.mirror import per_replica_weight
+from keras_comm import _validation
+from keras_comm.layers._base import CollectiveLayer
+from keras_comm.layers._base import PerReplicaAccumulator
+from keras_comm.layers._base import group_size
 from keras_comm.ops import virtual as virtual_ops
 
 
-class _Buffered(keras.layers.Layer):
-    def build(self, input_shape):
-        shape = _static_shape(self, input_shape)
-        self.accumulator = per_replica_weight(self, "accumulator", shape, self.variable_dtype)
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-
 @keras.saving.register_keras_serializable(package="keras_comm")
-class VirtualAssignAdd(_Buffered):
+class VirtualAssignAdd(PerReplicaAccumulator, CollectiveLayer):
     """Routes the input's gradient into the layer's accumulation buffer.
 
     Forward: identity.
@@ -46,36 +34,28 @@ class VirtualAssignAdd(_Buffered):
     """
 
     def __init__(self, group=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
-        self.group = _check_group(group)
-        self.timeout = _check_timeout(timeout)
+        super().__init__(group=group, timeout=timeout, **kwargs)
 
-    def build(self, input_shape):
-        shape = _static_shape(self, input_shape)
-        if self.group is not None and shape:
-            n = _group_size(self.group)
-            if shape[0] % n:
-                raise ValueError(
-                    f"Layer {self.name!r} (VirtualAssignAdd) reduce-scatters over "
-                    f"{n} replicas: the first dimension must be divisible by {n}. "
-                    f"Received: input_shape={shape}"
-                )
-            shape = (shape[0] // n,) + shape[1:]
-        self.accumulator = per_replica_weight(self, "accumulator", shape, self.variable_dtype)
+    def _accumulator_shape(self, shape):
+        if self.group is None or not shape:
+            return shape
+        n = group_size(self.group)
+        if shape[0] % n:
+            raise ValueError(
+                f"Layer {self.name!r} (VirtualAssignAdd) reduce-scatters over "
+                f"{n} replicas: the first dimension must be divisible by {n}. "
+                f"Received: input_shape={shape}"
+            )
+        return (shape[0] // n,) + shape[1:]
 
     def call(self, inputs):
         return virtual_ops.virtual_assign_add(
-            inputs, _tf_variable(self.accumulator), self.group, timeout=self.timeout, name=self.name
+            inputs, self._accumulator_variable(), self.group, timeout=self.timeout, name=self.name
         )
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(group=self.group, timeout=self.timeout)
-        return config
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class VirtualAccuGrad(_Buffered):
+class VirtualAccuGrad(PerReplicaAccumulator, CollectiveLayer):
     """Replaces the input's gradient with the layer's accumulation buffer.
 
     Forward: identity.
@@ -86,11 +66,11 @@ class VirtualAccuGrad(_Buffered):
     """
 
     def call(self, inputs):
-        return virtual_ops.virtual_accu_grad(inputs, _tf_variable(self.accumulator), name=self.name)
+        return virtual_ops.virtual_accu_grad(inputs, self._accumulator_variable(), name=self.name)
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class VirtualAdd(_Buffered):
+class VirtualAdd(PerReplicaAccumulator, CollectiveLayer):
     """Adds the layer's accumulation buffer to the input's gradient.
 
     Forward: identity.
@@ -100,11 +80,11 @@ class VirtualAdd(_Buffered):
     """
 
     def call(self, inputs):
-        return virtual_ops.virtual_add(inputs, _tf_variable(self.accumulator), name=self.name)
+        return virtual_ops.virtual_add(inputs, self._accumulator_variable(), name=self.name)
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class VirtualDiv(keras.layers.Layer):
+class VirtualDiv(CollectiveLayer):
     """Divides the gradient flowing back through it by `divisor`.
 
     Forward: identity (a tensor, or a tuple/list of tensors).
@@ -119,13 +99,10 @@ class VirtualDiv(keras.layers.Layer):
 
     def __init__(self, divisor, **kwargs):
         super().__init__(**kwargs)
-        self.divisor = virtual_ops._check_divisor(divisor)  # pylint: disable=protected-access
+        self.divisor = _validation.nonzero_number(divisor, "divisor")
 
     def call(self, inputs):
         return virtual_ops.virtual_div(inputs, self.divisor)
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
 
     def get_config(self):
         config = super().get_config()
@@ -134,13 +111,13 @@ class VirtualDiv(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class GetTensorSlice(keras.layers.Layer):
+class GetTensorSlice(CollectiveLayer):
     """Keeps this replica's slice of a full tensor.
 
     Forward: splits the input into `num_slices` equal slices along `axis`
     and keeps slice ``group.index(rank) % num_slices`` (num_slices defaults
     to the group size). No communication.
-    Backward: ``backward="zeros"`` (the reference) returns zeros;
+    Backward: ``backward="zeros"`` (as MindSpore's GetTensorSlice) returns zeros;
     ``backward="exact"`` returns dy placed at the slice's position (the
     adjoint). See `keras_comm.ops.get_tensor_slice`.
 
@@ -155,39 +132,26 @@ class GetTensorSlice(keras.layers.Layer):
     """
 
     def __init__(self, axis=0, num_slices=None, group=None, backward="zeros", **kwargs):
-        super().__init__(**kwargs)
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            raise TypeError(f"`axis` must be an int. Received: axis={axis!r}")
-        if num_slices is not None and (
-            isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1
-        ):
-            raise ValueError(
-                f"`num_slices` must be an int >= 1 or None. Received: num_slices={num_slices!r}"
-            )
-        if backward not in ("zeros", "exact"):
-            raise ValueError(
-                f"`backward` must be 'zeros' or 'exact'. Received: backward={backward!r}"
-            )
-        self.axis = axis
-        self.num_slices = num_slices
-        self.group = _check_group(group)
-        self.backward = backward
+        super().__init__(group=group, **kwargs)
+        self.axis = _validation.integer(axis, "axis")
+        self.num_slices = (
+            None if num_slices is None else _validation.positive_int(num_slices, "num_slices")
+        )
+        self.backward = _validation.one_of(backward, ("zeros", "exact"), "backward")
 
     def call(self, inputs):
         return virtual_ops.get_tensor_slice(
             inputs, self.axis, self.num_slices, self.group, self.backward, name=self.name
         )
 
-    def compute_output_shape(self, input_shape):
-        shape = list(input_shape)
-        n = self.num_slices or _group_size(self.group)
+    def _output_shape(self, shape):
+        shape = list(shape)
+        n = self.num_slices or group_size(self.group)
         if shape[self.axis] is not None:
             shape[self.axis] //= n
         return tuple(shape)
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            axis=self.axis, num_slices=self.num_slices, group=self.group, backward=self.backward
-        )
+        config.update(axis=self.axis, num_slices=self.num_slices, backward=self.backward)
         return config
