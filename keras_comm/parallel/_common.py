@@ -13,33 +13,14 @@ per-replica batches; members of one group must hold equally many samples.
 import keras
 import tensorflow as tf
 
-from keras_comm import config
+from keras_comm import _validation
 from keras_comm import ops
 from keras_comm import topology
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.parallel import mesh as mesh_lib
 
 
-def check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive int. Received: {name}={value!r}"
-        )
-    return value
-
-
-def check_divisible(value, n, name, group_what):
-    if value % n:
-        raise ValueError(
-            f"`{name}` must be divisible by the {group_what} size {n}. "
-            f"Received: {name}={value}"
-        )
-
-
-def check_timeout(timeout):
-    return None if timeout is None else config.validate_timeout(timeout)
-
-
-class ParallelLayer(keras.layers.Layer):
+class ParallelLayer(CollectiveLayer):
     """Base of the model-parallel layers: mesh, axis, seed and timeout.
 
     Args:
@@ -53,14 +34,15 @@ class ParallelLayer(keras.layers.Layer):
     """
 
     def __init__(self, mesh=None, axis="model", seed=None, timeout=None, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(timeout=timeout, **kwargs)
         if not isinstance(axis, str):
             raise TypeError(f"`axis` must be a mesh axis name. Received: axis={axis!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"`seed` must be an int or None. Received: seed={seed!r}")
         self.mesh, self.axis = mesh_lib.resolve_mesh(mesh, axis, type(self).__name__)
-        self.seed = seed
-        self.timeout = check_timeout(timeout)
+        self.seed = None if seed is None else _validation.integer(seed, "seed")
+
+    # These layers compute (ids in, floats out): their outputs have the
+    # layer's compute dtype, as for any Keras layer, not the input's.
+    compute_output_spec = keras.layers.Layer.compute_output_spec
 
     def static_group_size(self):
         """The group size if known at construction (a mesh was given), else None."""
@@ -75,6 +57,17 @@ class ParallelLayer(keras.layers.Layer):
         rank = 0 if shape_only() else None
         return mesh_lib.runtime_mesh(self.mesh, self.axis).group(self.axis, rank)
 
+    def split_size(self, value, name, built=False):
+        """`value`, a size split over the group, checked divisible by the group size.
+
+        Checked at construction (``built=False``) only when a mesh gives
+        the size then; at build (``built=True``) always.
+        """
+        n = self.group_size() if built else self.static_group_size()
+        if n is not None:
+            _validation.divisible(value, n, name, f"{self.axis!r} group size")
+        return value
+
     def weight_seed(self, offset):
         return None if self.seed is None else self.seed + offset
 
@@ -84,7 +77,6 @@ class ParallelLayer(keras.layers.Layer):
             mesh=None if self.mesh is None else self.mesh.get_config(),
             axis=self.axis,
             seed=self.seed,
-            timeout=self.timeout,
         )
         return config
 

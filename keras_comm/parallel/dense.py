@@ -11,14 +11,9 @@ hidden activations stay split and the pair communicates once on the way in
 import keras
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
-
-
-def _check_units(units, n, what):
-    _common.check_positive_int(units, "units")
-    if n is not None:
-        _common.check_divisible(units, n, "units", f"{what!r} group")
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -83,12 +78,8 @@ class ColumnParallelDense(_common.ParallelLayer):
         **kwargs,
     ):
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
-        _check_units(units, self.static_group_size(), self.axis)
-        if not isinstance(gather_output, bool):
-            raise TypeError(
-                f"`gather_output` must be a bool. Received: gather_output={gather_output!r}"
-            )
-        self.units = units
+        self.units = self.split_size(_validation.positive_int(units, "units"), "units")
+        _validation.boolean(gather_output, "gather_output")
         self.activation = keras.activations.get(activation)
         self.use_bias = bool(use_bias)
         self.gather_output = gather_output
@@ -96,7 +87,7 @@ class ColumnParallelDense(_common.ParallelLayer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
     def build(self, input_shape):
-        _check_units(self.units, self.group_size(), self.axis)
+        self.split_size(self.units, "units", built=True)
         in_dim = int(input_shape[-1])
         self.kernel = sharded.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 1, self.mesh, self.axis,
@@ -187,13 +178,8 @@ class RowParallelDense(_common.ParallelLayer):
         **kwargs,
     ):
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
-        _common.check_positive_int(units, "units")
-        if not isinstance(input_is_parallel, bool):
-            raise TypeError(
-                "`input_is_parallel` must be a bool. "
-                f"Received: input_is_parallel={input_is_parallel!r}"
-            )
-        self.units = units
+        self.units = _validation.positive_int(units, "units")
+        _validation.boolean(input_is_parallel, "input_is_parallel")
         self.activation = keras.activations.get(activation)
         self.use_bias = bool(use_bias)
         self.input_is_parallel = input_is_parallel
@@ -206,7 +192,7 @@ class RowParallelDense(_common.ParallelLayer):
         if self.input_is_parallel:
             in_dim *= n
         else:
-            _common.check_divisible(in_dim, n, "input_dim", f"{self.axis!r} group")
+            self.split_size(in_dim, "input_dim", built=True)
         self.kernel = sharded.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),

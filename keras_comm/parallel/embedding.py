@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from keras_comm import topology
+from keras_comm import _validation
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
 
@@ -44,18 +44,13 @@ class ParallelEmbedding(_common.ParallelLayer):
         **kwargs,
     ):
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
-        _common.check_positive_int(input_dim, "input_dim")
-        _common.check_positive_int(output_dim, "output_dim")
-        n = self.static_group_size()
-        if n is not None:
-            _common.check_divisible(input_dim, n, "input_dim", f"{self.axis!r} group")
-        self.input_dim = input_dim
-        self.output_dim = output_dim
+        input_dim = _validation.positive_int(input_dim, "input_dim")
+        self.output_dim = _validation.positive_int(output_dim, "output_dim")
+        self.input_dim = self.split_size(input_dim, "input_dim")
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
 
     def build(self, input_shape):
-        n = self.group_size()
-        _common.check_divisible(self.input_dim, n, "input_dim", f"{self.axis!r} group")
+        self.split_size(self.input_dim, "input_dim", built=True)
         self.embeddings = sharded.add_sharded_weight(
             self, "embeddings", (self.input_dim, self.output_dim), 0, self.mesh,
             self.axis, self.embeddings_initializer, self.weight_seed(0),

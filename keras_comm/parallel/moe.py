@@ -6,6 +6,7 @@ Routing maths (`route`) is a pure function, tested without a cluster.
 import keras
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm import ops
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
@@ -112,29 +113,17 @@ class MixtureOfExperts(_common.ParallelLayer):
         **kwargs,
     ):
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
-        _common.check_positive_int(num_experts, "num_experts")
-        _common.check_positive_int(units, "units")
-        _common.check_positive_int(top_k, "top_k")
+        num_experts = _validation.positive_int(num_experts, "num_experts")
+        self.num_experts = self.split_size(num_experts, "num_experts")
+        self.units = _validation.positive_int(units, "units")
+        self.top_k = _validation.positive_int(top_k, "top_k")
         if top_k > num_experts:
             raise ValueError(
                 f"`top_k` must be <= num_experts={num_experts}. Received: top_k={top_k}"
             )
-        if (
-            isinstance(capacity_factor, bool)
-            or not isinstance(capacity_factor, (int, float))
-            or not capacity_factor > 0
-        ):
-            raise ValueError(
-                "`capacity_factor` must be a number > 0. "
-                f"Received: capacity_factor={capacity_factor!r}"
-            )
-        n = self.static_group_size()
-        if n is not None:
-            _common.check_divisible(num_experts, n, "num_experts", f"{self.axis!r} group")
-        self.num_experts = num_experts
-        self.units = units
-        self.top_k = top_k
-        self.capacity_factor = float(capacity_factor)
+        self.capacity_factor = float(
+            _validation.positive_number(capacity_factor, "capacity_factor")
+        )
         self.activation = keras.activations.get(activation)
         self.use_bias = bool(use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -142,8 +131,7 @@ class MixtureOfExperts(_common.ParallelLayer):
         self.router_initializer = keras.initializers.get(router_initializer)
 
     def build(self, input_shape):
-        n = self.group_size()
-        _common.check_divisible(self.num_experts, n, "num_experts", f"{self.axis!r} group")
+        self.split_size(self.num_experts, "num_experts", built=True)
         d = int(input_shape[-1])
         self.router = self.add_weight(
             name="router",

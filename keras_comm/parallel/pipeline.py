@@ -3,13 +3,15 @@
 import keras
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm import ops
 from keras_comm import topology
+from keras_comm.layers._base import CollectiveLayer
 from keras_comm.parallel import _common
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class PipelineStage(keras.layers.Layer):
+class PipelineStage(CollectiveLayer):
     """Runs `first` on one replica and `second` on the other, micro-batch by micro-batch.
 
     Forward, in a world of two replicas (ranks ``stages[0]``, ``stages[1]``):
@@ -44,13 +46,10 @@ class PipelineStage(keras.layers.Layer):
     """
 
     def __init__(self, first, second, num_micro_batches=1, stages=(0, 1), timeout=None, **kwargs):
-        super().__init__(**kwargs)
-        _common.check_positive_int(num_micro_batches, "num_micro_batches")
+        super().__init__(timeout=timeout, **kwargs)
+        self.num_micro_batches = _validation.positive_int(num_micro_batches, "num_micro_batches")
         stages = tuple(stages)
-        if (
-            len(stages) != 2
-            or sorted(stages) != [0, 1]
-        ):
+        if len(stages) != 2 or sorted(stages) != [0, 1]:
             raise ValueError(
                 "`stages` must be the two ranks (0, 1) in stage order. "
                 f"Received: stages={stages!r}"
@@ -61,9 +60,10 @@ class PipelineStage(keras.layers.Layer):
             second = keras.saving.deserialize_keras_object(second)
         self.first = first
         self.second = second
-        self.num_micro_batches = num_micro_batches
         self.stages = stages
-        self.timeout = _common.check_timeout(timeout)
+
+    # The output is the second stage's, in the layer's compute dtype.
+    compute_output_spec = keras.layers.Layer.compute_output_spec
 
     def build(self, input_shape):
         self.first.build(input_shape)
@@ -139,6 +139,5 @@ class PipelineStage(keras.layers.Layer):
             second=keras.saving.serialize_keras_object(self.second),
             num_micro_batches=self.num_micro_batches,
             stages=list(self.stages),
-            timeout=self.timeout,
         )
         return config
