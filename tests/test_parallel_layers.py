@@ -70,12 +70,14 @@ def test_shards_differ_per_replica_and_gather_to_the_seeded_weight():
         layer = P.ColumnParallelDense(4, seed=3, use_bias=False)
         layer.build((None, 3))
     full = np.asarray(keras.initializers.GlorotUniform(seed=3)((3, 4)))
-    shards = P.local_shards(layer.kernel)
+    shards = P.process_shards(layer.kernel)
     np.testing.assert_array_equal(shards[0], full[:, :2])
     np.testing.assert_array_equal(shards[1], full[:, 2:])
     np.testing.assert_array_equal(P.full_weights(layer)[0], full)
-    P.assign_local_shards(layer.kernel, {1: np.ones((3, 2))})
+    P.assign_process_shards(layer.kernel, {1: np.ones((3, 2))})
     np.testing.assert_array_equal(P.full_weights(layer)[0][:, 2:], 1.0)
+    # The names before the rename still work.
+    assert (P.local_shards, P.assign_local_shards) == (P.process_shards, P.assign_process_shards)
 
 
 @pytest.mark.inprocess

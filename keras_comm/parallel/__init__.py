@@ -14,10 +14,12 @@ from keras_comm.parallel.pipeline import PipelineStage
 from keras_comm.parallel.sharded import ShardSpec
 from keras_comm.parallel.sharded import add_sharded_weight
 from keras_comm.parallel.sharded import assign_local_shards
+from keras_comm.parallel.sharded import assign_process_shards
 from keras_comm.parallel.sharded import full_weights
 from keras_comm.parallel.sharded import gather_full
 from keras_comm.parallel.sharded import is_sharded
 from keras_comm.parallel.sharded import local_shards
+from keras_comm.parallel.sharded import process_shards
 from keras_comm.parallel.sharded import set_full_weights
 from keras_comm.parallel.sharded import shard_nbytes
 from keras_comm.parallel.sharded import shard_spec
@@ -32,10 +34,12 @@ __all__ = [
     "ShardSpec",
     "add_sharded_weight",
     "assign_local_shards",
+    "assign_process_shards",
     "full_weights",
     "gather_full",
     "is_sharded",
     "local_shards",
+    "process_shards",
     "set_full_weights",
     "shard_nbytes",
     "shard_spec",

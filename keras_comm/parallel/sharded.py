@@ -10,7 +10,8 @@ handle it as usual) and changes three things:
   weight along `shard_axis`, where ``k`` is the replica's coordinate on the
   mesh axis the weight is split over. Shards are written right after the
   variable is created, component by component (MWMS broadcasts worker 0's
-  initial value at creation, even for ON_READ variables: DESIGN §2). The
+  initial value at creation, even to ON_READ variables, so the shards
+  cannot be the initial value itself). The
   full weight is ``initializer(full_shape, seed)``; every replica computes it
   from the seed alone and keeps its slice, so the gathered weight equals an
   unsplit layer's weight with the same seeded initializer. (The full value
@@ -33,7 +34,7 @@ go through their own reduction once per update and are updated whole.
 Saving: `model.save_weights` / `model.save` write each worker's own
 component (its shard), so with one replica per worker each worker saves and
 restores its shard to a path of its own. With several replicas in one
-process use `local_shards` / `assign_local_shards`, or `full_weights`.
+process use `process_shards` / `assign_process_shards`, or `full_weights`.
 """
 
 import dataclasses
@@ -209,20 +210,32 @@ def _reduce_gradient(spec, grad, name):
     return ops.all_reduce(grad, group=group, name=f"{name}_shard_grad")
 
 
-def local_shards(variable):
-    """``{global rank: numpy shard}`` for this process's replicas."""
+def process_shards(variable):
+    """``{global rank: numpy shard}`` for this process's replicas.
+
+    (Formerly `local_shards`, still importable under that name.)
+    """
     comps = _components(variable)
     ranks = _local_ranks(len(comps), _strategy_of([variable]))
     return {r: c.numpy() for r, c in zip(ranks, comps)}
 
 
-def assign_local_shards(variable, shards):
-    """Writes ``{global rank: value}`` into this process's components."""
+def assign_process_shards(variable, shards):
+    """Writes ``{global rank: value}`` into this process's components.
+
+    (Formerly `assign_local_shards`, still importable under that name.)
+    """
     comps = _components(variable)
     with tf.init_scope():
         for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps):
             if r in shards:
                 c.assign(tf.cast(shards[r], c.dtype))
+
+
+# The names before `process_shards` / `assign_process_shards`: "local" also
+# names one replica's slice of a packed buffer in the ZeRO sharding code.
+local_shards = process_shards
+assign_local_shards = assign_process_shards
 
 
 def assign_full(variable, full):
