@@ -7,6 +7,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm import watchdog
 from keras_comm.callbacks import _engine
 from keras_comm.callbacks import _sharding
@@ -161,15 +162,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         self, accumulation_steps=1, zero_stage=0, mean=True, dump_local_norm=False
     ):
         super().__init__()
-        if (
-            isinstance(accumulation_steps, bool)
-            or not isinstance(accumulation_steps, int)
-            or accumulation_steps < 1
-        ):
-            raise ValueError(
-                "`accumulation_steps` must be an int >= 1. "
-                f"Received: accumulation_steps={accumulation_steps!r}"
-            )
+        accumulation_steps = _validation.accumulation_steps(accumulation_steps)
         try:
             if isinstance(zero_stage, bool):
                 raise ValueError

@@ -37,6 +37,12 @@ class CollectiveLayer(keras.layers.Layer):
 
     def __init__(self, group=None, timeout=None, **kwargs):
         super().__init__(**kwargs)
+        for argument, value in (("group", group), ("timeout", timeout)):
+            if value is not None and not self._takes(argument):
+                raise TypeError(
+                    f"{type(self).__name__} takes no `{argument}` argument. "
+                    f"Received: {argument}={value!r}"
+                )
         if self._takes("group"):
             self.group = topology.as_group(group)
         if self._takes("timeout"):
