@@ -18,6 +18,18 @@ def _axis0_unknown(shape):
     return (None,) + shape[1:]
 
 
+def sum_only(op, layer):
+    """`op` as a `ReduceOp`, which must be SUM: a reduce-scatter's backward is
+    an all-gather, the adjoint of a sum only."""
+    reduce_op = ReduceOp.from_value(op)
+    if reduce_op is not ReduceOp.SUM:
+        raise ValueError(
+            f"{layer} supports only op='sum' (its gradient is an all-gather). "
+            f"Received: op={op!r}"
+        )
+    return reduce_op
+
+
 @keras.saving.register_keras_serializable(package="keras_comm")
 class AllGather(MeanGradient, CollectiveLayer):
     """Concatenates every group member's input along axis 0, on every member.
@@ -69,12 +81,7 @@ class ReduceScatter(CollectiveLayer):
 
     def __init__(self, op="sum", group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.op = ReduceOp.from_value(op)
-        if self.op is not ReduceOp.SUM:
-            raise ValueError(
-                "ReduceScatter supports only op='sum' (its gradient is an all-gather). "
-                f"Received: op={op!r}"
-            )
+        self.op = sum_only(op, "ReduceScatter")
 
     _output_shape = staticmethod(_axis0_unknown)
 

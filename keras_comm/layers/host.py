@@ -3,8 +3,8 @@
 import keras
 
 from keras_comm.layers._base import CollectiveLayer
+from keras_comm.layers.gather_scatter import sum_only
 from keras_comm.ops import host as host_ops
-from keras_comm.ops.reduce_op import ReduceOp
 
 
 def _axis0(shape, group, scale):
@@ -65,12 +65,7 @@ class HostReduceScatter(CollectiveLayer):
 
     def __init__(self, op="sum", group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.op = ReduceOp.from_value(op)
-        if self.op is not ReduceOp.SUM:
-            raise ValueError(
-                "`op` must be 'sum': HostReduceScatter's backward (an all-gather) "
-                f"is the adjoint of a SUM only. Received: op={op!r}"
-            )
+        self.op = sum_only(op, "HostReduceScatter")
 
     def call(self, inputs):
         return host_ops.host_reduce_scatter(

@@ -10,9 +10,9 @@ from keras_comm.ops import neighbor as neighbor_ops
 class NeighborExchange(CollectiveLayer):
     """Each rank sends tensors to some ranks and receives from others.
 
-    The reference's ``NeighborExchange(send_rank_ids, recv_rank_ids,
-    recv_shapes, send_shapes, recv_type, group)`` with one table row per
-    group member (ascending ranks), since every rank runs the same model:
+    The routes are tables with one row per group member (ascending ranks),
+    since every rank runs the same model (MindSpore's NeighborExchange
+    takes one rank's row):
 
     * ``send_ranks[p][i]``: the rank member p sends input i to (None: input
       i is not sent by p);
@@ -96,24 +96,21 @@ class NeighborExchange(CollectiveLayer):
 class NeighborExchangeV2(CollectiveLayer):
     """Halo exchange of an image split over a 2-D grid of ranks (8 directions).
 
-    Follows the reference's ``NeighborExchangeV2(send_rank_ids, send_lens,
-    recv_rank_ids, recv_lens, data_format, group)``: directions are [top,
+    Directions are [top,
     top_right, right, bottom_right, bottom, bottom_left, left, top_left],
     lens are [top, bottom, left, right]; the rank tables have one row of 8
     ranks (-1 = none) per group member (SPMD). `keras_comm.ops.halo_rank_ids`
     builds them for a row-major grid.
 
     Forward: the tile padded by `recv_lens` on every side, the halos filled
-    with the neighbours' border strips; zeros where a neighbour is missing
-    (the reference instead leaves out sides without a neighbour; here every
-    rank's output has one shape). Backward: halo gradients are sent back and
-    added into the border strips (the reference's NeighborExchangeV2Grad).
+    with the neighbours' border strips; zeros where a neighbour is missing,
+    so every rank's output has one shape. Backward: halo gradients are sent
+    back and added into the border strips they came from.
 
     Args:
         send_rank_ids, recv_rank_ids: one row of 8 ranks per member.
         send_lens, recv_lens: [top, bottom, left, right].
-        data_format: "NCHW" (the reference's) or "NHWC" (Keras's
-            channels_last default).
+        data_format: "NCHW" (the default) or "NHWC" (Keras's channels_last).
         group: member ranks, or None for the world.
         timeout: seconds before DeadlineExceeded.
 
