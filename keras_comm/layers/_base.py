@@ -53,7 +53,9 @@ class CollectiveLayer(keras.layers.Layer):
     def _takes(cls, argument):
         # A layer without a constructor of its own takes no group or timeout.
         init = cls.__init__
-        return init is not CollectiveLayer.__init__ and argument in inspect.signature(init).parameters
+        if init is CollectiveLayer.__init__:
+            return False
+        return argument in inspect.signature(init).parameters
 
     def _group_member(self, rank, name):
         """`rank` (a root, source or destination) checked to be in `group`."""

@@ -38,7 +38,9 @@ class ParallelLayer(CollectiveLayer):
         if not isinstance(axis, str):
             raise TypeError(f"`axis` must be a mesh axis name. Received: axis={axis!r}")
         self.mesh, self.axis = mesh_lib.resolve_mesh(mesh, axis, type(self).__name__)
-        self.seed = None if seed is None else _validation.integer(seed, "seed")
+        if seed is not None:
+            _validation.integer(seed, "seed", rule="an int or None")
+        self.seed = seed
 
     # These layers compute (ids in, floats out): their outputs have the
     # layer's compute dtype, as for any Keras layer, not the input's.
