@@ -1,6 +1,6 @@
 """One command for every benchmark: `python -m benchmarks.run --workers 2 --out results/`.
 
-Starts real worker processes with `keras_comm.launch.run` (one job per
+Starts real worker processes with `keras_comm_run.run` (one job per
 worker count; each job runs every family that needs that many workers, so
 the things compared are measured side by side in the same processes) and an
 MPI job through mpiexec before and after them. Writes to ``--out``:
@@ -16,13 +16,14 @@ Modes: default (full: 1/4/16/64 MB, >= 10 timed iterations, training on
 (structure only, for the test suite). ``--docs`` copies the
 table, the plots and benchmarks.json into docs/performance/.
 
-The driver itself never imports TensorFlow: the launcher is loaded from its
-file (it uses only the standard library), as tests/_cluster.py does.
+The driver itself never imports TensorFlow: the launcher package
+keras_comm_run uses only the standard library (importing keras_comm.launch
+would import keras_comm and TensorFlow), as in tests/_cluster.py.
 """
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import json
 import os
 import platform
@@ -41,7 +42,6 @@ from benchmarks import report
 from benchmarks import training
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-LAUNCH_PY = REPO_DIR / "keras_comm" / "launch.py"
 DOCS_DIR = REPO_DIR / "docs" / "performance"
 
 MODES = {
@@ -72,10 +72,10 @@ PO_PER_REPLICA_BATCH = 64
 
 
 def _load_launch():
-    spec = importlib.util.spec_from_file_location("_keras_comm_launch", LAUNCH_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # This working tree's launcher, whatever keras_comm is installed.
+    if sys.path[:1] != [str(REPO_DIR)]:
+        sys.path.insert(0, str(REPO_DIR))
+    return importlib.import_module("keras_comm_run")
 
 
 def _version(name):

@@ -29,7 +29,7 @@ from tensorflow.python.distribute import device_util
 from tensorflow.python.framework import ops as tf_ops
 
 from keras_comm import _validation
-from keras_comm import launch as _launch
+from keras_comm_run import cluster as _cluster_config
 
 # tf.distribute allocates group keys from 1 upwards, one per device set; ours
 # live far above so the two can never collide.
@@ -184,7 +184,7 @@ def validate_tf_config(text=None):
         text = os.environ.get("TF_CONFIG", "")
         if not text.strip():
             return None
-    return _launch.validate_tf_config(text)
+    return _cluster_config.validate_tf_config(text)
 
 
 def world_size():

@@ -20,12 +20,13 @@ write_result({"sum": float(total)})
 The launcher runs with `--timeout`, so a deadlocked collective fails the
 test instead of hanging CI.
 
-The launcher is started from its file, keras_comm/launch.py, rather than
-with `python -m keras_comm.launch`: the two behave the same, but `-m` first
-imports the keras_comm package, and once that imports TensorFlow it would
-cost every cluster run ~4 s of CPU and ~600 MB in a process that needs
-neither. launch.py uses only the standard library. This module imports neither TensorFlow nor Keras,
-so worker scripts can import it before configuring TensorFlow.
+The launcher is started as `python -m keras_comm_run` (what the
+`keras-comm-run` console script runs), not `python -m keras_comm.launch`:
+the latter first imports the keras_comm package, and with it TensorFlow,
+costing every cluster run seconds of CPU and ~600 MB in a process that needs
+neither. keras_comm_run uses only the standard library. This module imports
+neither TensorFlow nor Keras, so worker scripts can import it before
+configuring TensorFlow.
 """
 
 import json
@@ -40,7 +41,6 @@ from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
-LAUNCH_PY = REPO_DIR / "keras_comm" / "launch.py"
 
 OUT_DIR_VAR = "KERAS_COMM_TEST_OUT"
 
@@ -127,18 +127,19 @@ def cluster_env(out_dir, env=None):
     return child_env
 
 
-# `python keras_comm/launch.py`, the launcher without the keras_comm package.
-# -P (Python >= 3.11) keeps keras_comm/ off the launcher's sys.path, so no
-# module there can shadow a standard-library one.
-LAUNCHER = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), str(LAUNCH_PY)]
+# `python -m keras_comm_run`, found through cluster_env's PYTHONPATH (this
+# repository first). -P (Python >= 3.11) keeps the current directory off the
+# launcher's sys.path, so the launcher is this repository's wherever pytest runs.
+LAUNCHER = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "keras_comm_run"]
 
 
-def launcher_command(script, num_workers, *args, timeout=300):
-    """The argv `run_cluster` runs: `python keras_comm/launch.py ...`."""
+def launcher_command(script, num_workers, *args, timeout=300, launcher_args=()):
+    """The argv `run_cluster` runs: `python -m keras_comm_run ...`."""
     return [
         *LAUNCHER,
         "-n", str(num_workers),
         "--timeout", str(timeout),
+        *[str(a) for a in launcher_args],
         _resolve_script(script),
         *[str(a) for a in args],
     ]
@@ -167,7 +168,7 @@ def _stop_launcher(proc):
     return output or ""
 
 
-def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None):
+def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None, launcher_args=()):
     """Runs `script` on `num_workers` local worker processes.
 
     Args:
@@ -179,6 +180,7 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None)
         env: extra environment variables for the workers.
         out_dir: directory for the workers' results; kept afterwards. By
             default a fresh temporary directory, removed after reading.
+        launcher_args: extra launcher options, e.g. `["--max-restarts", "1"]`.
 
     Returns:
         A ClusterResult. Call `.check()` to assert success.
@@ -192,7 +194,9 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None)
             stale.unlink()
     else:
         out_dir = Path(tempfile.mkdtemp(prefix="keras_comm_test_"))
-    command = launcher_command(script, num_workers, *args, timeout=timeout)
+    command = launcher_command(
+        script, num_workers, *args, timeout=timeout, launcher_args=launcher_args
+    )
     try:
         proc = subprocess.Popen(
             command,

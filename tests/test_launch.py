@@ -1,4 +1,4 @@
-"""Tests for keras_comm.launch (`keras-comm-run`) and the tests/_cluster harness.
+"""Tests for keras_comm_run (`keras-comm-run`, also `keras_comm.launch`) and tests/_cluster.
 
 Worker scripts live in tests/launch_scripts/. All but the last test only read
 environment variables in the workers, so they start in a fraction of a second.
@@ -32,8 +32,8 @@ STOP_BUDGET_SECONDS = 10
 def _launch(out_dir, *argv, timeout=30):
     """Runs the launcher with `argv`; stdout and stderr kept separate.
 
-    Like run_cluster, this runs keras_comm/launch.py as a file, which skips
-    importing the keras_comm package (and TensorFlow) in the launcher.
+    Like run_cluster, this runs `python -m keras_comm_run`, which never
+    imports the keras_comm package (and TensorFlow) in the launcher.
     """
     return subprocess.run(
         [*LAUNCHER, *argv],
@@ -114,10 +114,12 @@ def test_success_prefixes_lines_and_sets_tf_config_per_rank(tmp_path):
 @pytest.mark.parametrize(
     "entry",
     [
+        [sys.executable, "-m", "keras_comm_run"],
         [sys.executable, "-m", "keras_comm.launch"],
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "keras_comm" / "launch.py")],
         [str(Path(sys.executable).with_name("keras-comm-run"))],
     ],
-    ids=["python-m", "console-script"],
+    ids=["python-m", "python-m-old-name", "old-file", "console-script"],
 )
 def test_documented_entry_points(tmp_path, entry):
     if not Path(entry[0]).exists():
@@ -363,12 +365,35 @@ def test_loopback_names_are_accepted(tmp_path):
 
 
 def test_help_describes_the_contract():
-    # run_cluster runs launch.py as a file: it must stay stdlib-only.
     proc = subprocess.run([*LAUNCHER, "--help"], capture_output=True, text=True)
 
     assert proc.returncode == 0
-    for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver"]:
+    for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver",
+                   "LOCAL_RANK", "--nnodes", "--max-restarts", "--log-dir", "P+1+g"]:
         assert needle in proc.stdout
+
+
+def test_the_launcher_imports_neither_tensorflow_nor_keras_comm(tmp_path):
+    # What the console script runs: `from keras_comm_run.cli import main`.
+    code = (
+        "import sys; from keras_comm_run.cli import main; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'keras', 'keras_comm', 'numpy')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", code], env=cluster_env(tmp_path),
+        capture_output=True, text=True, timeout=60,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "[]\n"
+
+
+def test_old_module_name_reexports_the_launcher():
+    import keras_comm_run
+
+    for name in keras_comm_run.__all__:
+        assert getattr(launch, name) is getattr(keras_comm_run, name)
 
 
 # ---------------------------------------------------------------------------

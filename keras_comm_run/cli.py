@@ -1,0 +1,258 @@
+"""The command line: `keras-comm-run -n N [options] script.py [args ...]`."""
+
+import argparse
+import os
+import sys
+
+from keras_comm_run.cluster import LaunchError
+from keras_comm_run.supervisor import EXIT_TIMEOUT
+from keras_comm_run.supervisor import PROG
+from keras_comm_run.supervisor import run
+
+_EPILOG = """\
+environment of each worker (g: global rank, i: rank on this node):
+  TF_CONFIG               {"cluster": {"worker": ["127.0.0.1:p0", ...]},
+                           "task": {"type": "worker", "index": g}}
+                          read by tf.distribute.MultiWorkerMirroredStrategy.
+  RANK, KERAS_COMM_RANK                       g
+  WORLD_SIZE, KERAS_COMM_WORLD_SIZE           number of workers in the job
+  LOCAL_RANK, KERAS_COMM_LOCAL_RANK           i
+  LOCAL_WORLD_SIZE, KERAS_COMM_LOCAL_WORLD_SIZE  workers on this node (-n)
+  KERAS_COMM_NODE_RANK    --node-rank
+  KERAS_COMM_RESTART_ATTEMPT  0, then 1, 2, ... after each --max-restarts restart
+  CUDA_VISIBLE_DEVICES    the worker's GPUs (see --gpus-per-worker)
+  PYTHONUNBUFFERED        1, so worker output streams promptly.
+  Every other variable is inherited unchanged.
+
+addresses and ports:
+  One node: TF_CONFIG names --host (default 127.0.0.1, loopback) with N free
+  TCP ports picked below the kernel's ephemeral port range (so no outgoing
+  connection can take one before TensorFlow binds it; a worker that still
+  finds its port taken restarts the job with new ports, up to 3 times), or
+  ports P..P+N-1 given --base-port P. TensorFlow's gRPC server is
+  unauthenticated and runs any graph it is sent, so a non-loopback --host or
+  --master-addr is refused unless --allow-non-loopback is also given. Note:
+  TensorFlow itself listens on 0.0.0.0:port whatever TF_CONFIG says; on a
+  machine with other network interfaces, firewall the ports or run in an
+  isolated network namespace.
+
+several nodes (torchrun style; run the same command on every node):
+  keras-comm-run --nnodes 2 --node-rank K --master-addr HOST --master-port P \\
+                 -n 2 script.py
+  Node 0's launcher listens on HOST:P; the others report to it (their
+  address as node 0 sees it, and their -n) and get the whole cluster back.
+  Global ranks are numbered node by node; the worker of global rank g
+  listens on port P+1+g of its node. The rendezvous port is unauthenticated
+  like TensorFlow's. Slurm (SlurmClusterResolver) and Kubernetes recipes:
+  docs/cluster.md.
+
+output:
+  Worker output is forwarded as it is written: each line (and each line a
+  progress bar redraws with '\\r') starts with "[rank g] "; stdout to stdout,
+  stderr to stderr. --no-prefix prints the text unchanged. --progress chief
+  (default) keeps the other ranks' redrawn lines (their progress bars) off
+  the console; --console-ranks limits the console to some ranks; --log-dir
+  DIR writes every rank's output, unfiltered, to DIR/rank<g>.stdout.log and
+  DIR/rank<g>.stderr.log.
+
+restarts:
+  --max-restarts K: when a worker fails, or no worker writes anything for
+  --stall-timeout seconds, all workers are stopped and the whole job is
+  started again, at most K times; the cause is printed and the attempt
+  number is in KERAS_COMM_RESTART_ATTEMPT. The script resumes from its own
+  checkpoint (keras_comm.callbacks.BackupAndRestore). One node only.
+
+exit status:
+  0        every worker exited 0
+  k        the first worker to fail exited with code k; the others were
+           stopped (SIGTERM to each process group, SIGKILL 5 s later)
+  128+s    the first worker to fail was killed by signal s
+  124      --timeout expired, or a stall (--stall-timeout) with no restart
+           left; all workers were stopped
+  130/143  the launcher got SIGINT/SIGTERM (129: SIGHUP); it was forwarded to
+           all workers, which were SIGKILLed if still running 5 s later. If
+           the launcher itself is SIGKILLed, the kernel kills the workers
+           (Linux).
+  2        bad launcher arguments, a busy port or a failed rendezvous
+
+other cluster managers:
+  - Slurm: tf.distribute.cluster_resolver.SlurmClusterResolver() passed to
+    MultiWorkerMirroredStrategy(cluster_resolver=...) under srun;
+  - Kubernetes: a controller that sets TF_CONFIG per pod (e.g. Kubeflow's
+    TFJob).
+  Keep the cluster network isolated: the gRPC port accepts any client.
+"""
+
+
+def _build_parser():
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=(
+            f"{PROG} -n N [options] script.py [script args ...]\n"
+            f"       {PROG} -n N [options] -m module [module args ...]\n"
+            "       python -m keras_comm_run -n N [options] ..."
+        ),
+        description=(
+            "Run N copies of a Python script on this machine as a "
+            "tf.distribute.MultiWorkerMirroredStrategy cluster (over loopback, "
+            "or across nodes with --nnodes). Everything after the script (or "
+            "-m module) is passed to it unchanged."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add("-n", "--num-workers", type=int, default=None, metavar="N",
+        help="number of worker processes on this node (>= 1)")
+    add("--host", default="127.0.0.1",
+        help="address the workers reach each other at, one node (default: 127.0.0.1)")
+    add("--allow-non-loopback", action="store_true",
+        help="permit a non-loopback --host/--master-addr (unauthenticated gRPC: isolated "
+             "networks only)")
+    add("--base-port", type=int, default=0, metavar="PORT",
+        help="use ports PORT..PORT+N-1 instead of picking free ones")
+    add("--timeout", type=float, default=None, metavar="SECONDS",
+        help=f"stop all workers after SECONDS and exit {EXIT_TIMEOUT}")
+    add("--no-prefix", dest="prefix", action="store_false",
+        help='do not prefix output lines with "[rank g] "')
+    add("--nnodes", type=int, default=1, metavar="N",
+        help="number of nodes, each running this launcher (default: 1)")
+    add("--node-rank", type=int, default=0, metavar="K", help="this node's index (0..N-1)")
+    add("--master-addr", default="127.0.0.1", metavar="HOST",
+        help="node 0's address, reachable from every node (default: 127.0.0.1)")
+    add("--master-port", type=int, default=None, metavar="P",
+        help="rendezvous port on node 0; worker g listens on P+1+g")
+    add("--rendezvous-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="how long to wait for every node (default: 300)")
+    add("--max-restarts", type=int, default=0, metavar="K",
+        help="restart the whole job up to K times after a failure or stall")
+    add("--stall-timeout", type=float, default=None, metavar="SECONDS",
+        help="a job with no output from any worker for SECONDS has stalled")
+    add("--log-dir", default=None, metavar="DIR",
+        help="also write each rank's stdout/stderr to DIR/rank<g>.{stdout,stderr}.log")
+    add("--console-ranks", default="all", metavar="RANKS",
+        help='ranks shown on the console: "all" (default), "none" or e.g. "0,2"')
+    add("--progress", choices=("chief", "all"), default="chief",
+        help="whose progress bars ('\\r' redraws) reach the console (default: chief)")
+    add("--gpus-per-worker", type=int, default=None, metavar="G",
+        help="pin G GPUs per worker with CUDA_VISIBLE_DEVICES (default: 1 if GPUs are "
+             "visible; 0: no pinning)")
+    add("-H", "--hosts", default=None, metavar="HOSTS",
+        help="not supported: run the launcher on each host with --nnodes (see below)")
+    add("-m", dest="module", metavar="module",
+        help="run a module as a script, like `python -m` (must come last)")
+    return parser
+
+
+def _split_argv(parser, argv):
+    """Splits argv into (launcher options, worker command).
+
+    The worker command starts at the first argument that is neither an
+    option nor an option's value: the script, or `-m module`. It is passed
+    on byte for byte (argparse would drop a `--` after the script).
+    """
+    takes_value = {
+        option
+        for action in parser._actions
+        if action.nargs != 0
+        for option in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if arg == "-m":
+            return argv[:i], argv[i:]
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return argv[:i], ["-m", arg[2:], *argv[i + 1 :]]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        if arg in takes_value:
+            i += 2
+        else:
+            i += 1
+    return argv, []
+
+
+def _parse_console_ranks(parser, text):
+    text = text.strip().lower()
+    if text == "all":
+        return None
+    if text == "none":
+        return ()
+    try:
+        ranks = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        ranks = None
+    if not ranks or any(r < 0 for r in ranks):
+        parser.error(
+            '--console-ranks must be "all", "none" or comma-separated ranks >= 0. '
+            f"Received: --console-ranks {text!r}"
+        )
+    return ranks
+
+
+def main(argv=None):
+    """Console entry point. Returns the exit status (see `--help`)."""
+    parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_args, command = _split_argv(parser, argv)
+    args = parser.parse_args(launcher_args)
+
+    if args.hosts is not None:
+        parser.error(
+            "-H/--hosts (starting workers on other hosts over ssh) is not supported: run "
+            f"`{PROG} --nnodes N --node-rank K --master-addr HOST --master-port P -n W "
+            "script.py` on each host instead (see docs/cluster.md). "
+            f"Received: -H {args.hosts}"
+        )
+    if args.num_workers is None:
+        parser.error("the following arguments are required: -n/--num-workers")
+    if args.num_workers < 1:
+        parser.error(f"-n must be >= 1. Received: -n {args.num_workers}")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be > 0. Received: --timeout {args.timeout:g}")
+    if args.stall_timeout is not None and not args.stall_timeout > 0:
+        parser.error(f"--stall-timeout must be > 0. Received: --stall-timeout {args.stall_timeout:g}")
+    if args.base_port and not 1 <= args.base_port <= 65536 - args.num_workers:
+        parser.error(
+            f"--base-port must be 0 or a port with PORT+N-1 <= 65535. "
+            f"Received: --base-port {args.base_port}"
+        )
+    if args.nnodes > 1 and args.master_port is None:
+        parser.error(f"--master-port is required with --nnodes. Received: --nnodes {args.nnodes}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0. Received: --max-restarts {args.max_restarts}")
+    console_ranks = _parse_console_ranks(parser, args.console_ranks)
+    if not command:
+        parser.error("a script (or -m module) to run is required.")
+    if command[0] == "-m" and (len(command) < 2 or not command[1]):
+        parser.error("-m must be followed by a module name. Received: -m")
+    if command[0] != "-m" and not os.path.isfile(command[0]):
+        parser.error(f"script must be an existing file. Received: script {command[0]!r}")
+
+    try:
+        return run(
+            command,
+            args.num_workers,
+            host=args.host,
+            allow_non_loopback=args.allow_non_loopback,
+            timeout=args.timeout,
+            prefix=args.prefix,
+            base_port=args.base_port,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            rendezvous_timeout=args.rendezvous_timeout,
+            max_restarts=args.max_restarts,
+            stall_timeout=args.stall_timeout,
+            log_dir=args.log_dir,
+            console_ranks=console_ranks,
+            progress=args.progress,
+            gpus_per_worker=args.gpus_per_worker,
+        )
+    except LaunchError as e:
+        parser.error(str(e))
