@@ -432,3 +432,172 @@ def test_tensorflow_all_reduce_over_loopback():
     result = run_cluster("launch_scripts/tf_all_reduce.py", 2, timeout=120).check()
 
     assert result.results == [{"num_replicas": 2, "sum_ones": 2.0, "sum_ids": 3.0}] * 2
+
+
+# ---------------------------------------------------------------------------
+# Environment, GPU pinning, output routing, restarts (no TensorFlow).
+# ---------------------------------------------------------------------------
+
+PROGRESS = str(SCRIPTS / "progress.py")
+PORT_CLASH = str(SCRIPTS / "port_clash.py")
+
+
+def test_torchrun_names_beside_keras_comm_names(tmp_path):
+    proc = _launch(tmp_path, "-n", "2", "--gpus-per-worker", "0", REPORT_ENV)
+
+    assert proc.returncode == 0, proc.stderr
+    for r, result in enumerate(_results(tmp_path, 2)):
+        assert result["RANK"] == result["LOCAL_RANK"] == result["KERAS_COMM_LOCAL_RANK"] == str(r)
+        assert result["WORLD_SIZE"] == result["LOCAL_WORLD_SIZE"] == "2"
+        assert result["KERAS_COMM_LOCAL_WORLD_SIZE"] == "2"
+        assert result["KERAS_COMM_NODE_RANK"] == result["KERAS_COMM_RESTART_ATTEMPT"] == "0"
+
+
+@pytest.mark.parametrize(
+    "visible, argv, expected",
+    [
+        # One GPU per worker by default where GPUs exist.
+        ("0,1,2,3", [], ["0", "1"]),
+        ("3,5,7,9", ["--gpus-per-worker", "2"], ["3,5", "7,9"]),
+        # 0 disables pinning: each worker inherits the launcher's list.
+        ("0,1,2,3", ["--gpus-per-worker", "0"], ["0,1,2,3", "0,1,2,3"]),
+        # No GPUs visible: nothing pinned, the (empty) variable is inherited.
+        ("", [], ["", ""]),
+    ],
+    ids=["default-one-each", "two-each", "disabled", "no-gpus"],
+)
+def test_gpu_pinning_with_a_simulated_device_list(tmp_path, monkeypatch, visible, argv, expected):
+    # CUDA_VISIBLE_DEVICES in the launcher's environment stands for the
+    # machine's GPUs (the launcher reads /dev/nvidia* only when it is unset).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    proc = _launch(tmp_path, "-n", "2", *argv, REPORT_ENV)
+
+    assert proc.returncode == 0, proc.stderr
+    assert [r["CUDA_VISIBLE_DEVICES"] for r in _results(tmp_path, 2)] == expected
+
+
+def test_more_gpus_than_visible_is_an_argument_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    proc = _launch(tmp_path, "-n", "2", "--gpus-per-worker", "2", REPORT_ENV)
+
+    assert proc.returncode == 2
+    assert "need 4 GPUs but 3 are visible (0,1,2)" in proc.stderr
+    assert "Received: gpus_per_worker=2" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def _read_until(proc, needle, timeout=30):
+    """Reads the launcher's stdout (bytes) until `needle` appears; returns it."""
+    import select
+
+    data = b""
+    deadline = time.monotonic() + timeout
+    while needle not in data:
+        assert time.monotonic() < deadline, f"never saw {needle!r}; got {data!r}"
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            assert chunk, f"launcher output ended before {needle!r}; got {data!r}"
+            data += chunk
+    return data
+
+
+def test_progress_bars_pass_through_live_chief_only_and_logs_keep_everything(tmp_path):
+    go, logs = tmp_path / "go", tmp_path / "logs"
+    proc = subprocess.Popen(
+        [*LAUNCHER, "-n", "2", "--log-dir", str(logs), PROGRESS, str(go)],
+        env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        # The chief's first redraw reaches the console while the bar is
+        # unfinished (no newline yet): forwarded as written, not per line.
+        early = _read_until(proc, b"\r[rank 0] [bar 1/2 rank 0]")
+        go.write_text("go")
+        rest, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    stdout = (early + rest).decode()
+
+    assert proc.returncode == 0, stderr
+    assert "\r[rank 0] [bar 2/2 rank 0]\n" in stdout
+    assert "[rank 0] done rank 0\n" in stdout
+    assert "[rank 1] done rank 1\n" in stdout
+    # Another rank's progress bar stays off the console ...
+    assert "bar 1/2 rank 1" not in stdout and "bar 2/2 rank 1" not in stdout
+    # ... and every byte is in its log file.
+    assert (logs / "rank1.stdout.log").read_bytes() == (
+        b"\r[bar 1/2 rank 1]\b\b\r[bar 2/2 rank 1]\ndone rank 1\n"
+    )
+    assert (logs / "rank0.stderr.log").read_bytes() == b""
+
+
+def test_console_ranks_and_all_progress(tmp_path):
+    go = tmp_path / "go"
+    go.write_text("go")
+    proc = subprocess.run(  # bytes: text mode would turn '\r' into '\n'
+        [*LAUNCHER, "-n", "2", "--console-ranks", "1", "--progress", "all", PROGRESS, str(go)],
+        env=cluster_env(tmp_path), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert b"[rank 0]" not in proc.stdout
+    assert b"\r[rank 1] [bar 1/2 rank 1]\b\b\r[rank 1] [bar 2/2 rank 1]\n" in proc.stdout
+    assert b"[rank 1] done rank 1\n" in proc.stdout
+
+
+def test_bad_console_ranks(tmp_path):
+    proc = _launch(tmp_path, "-n", "2", "--console-ranks", "0,x", REPORT_ENV)
+
+    assert proc.returncode == 2
+    assert "--console-ranks must be" in proc.stderr
+
+
+def test_hosts_flag_says_what_to_do_instead(tmp_path):
+    proc = _launch(tmp_path, "-H", "host1,host2", REPORT_ENV)
+
+    assert proc.returncode == 2
+    assert "-n is required" not in proc.stderr and "required: -n" not in proc.stderr
+    assert "-H/--hosts (starting workers on other hosts over ssh) is not supported" in proc.stderr
+    assert "--nnodes N --node-rank K --master-addr HOST --master-port P" in proc.stderr
+
+
+def test_a_stalled_job_is_restarted_then_given_up(tmp_path):
+    # The workers print "ready" and then sleep: no output for 1 s is a stall.
+    start = time.monotonic()
+    proc = _launch(tmp_path, "-n", "2", "--max-restarts", "1", "--stall-timeout", "2", MISBEHAVE)
+    elapsed = time.monotonic() - start
+
+    assert proc.returncode == launch.EXIT_TIMEOUT, proc.stderr
+    stall = "no output from any worker for 2 s (--stall-timeout); stopped 2 worker(s)."
+    assert proc.stderr.count(stall) == 2, proc.stderr
+    assert "restarting the job, attempt 1 of 1 (KERAS_COMM_RESTART_ATTEMPT=1)." in proc.stderr
+    assert "no restarts left (--max-restarts 1)." in proc.stderr
+    results = _results(tmp_path, 2)
+    assert [r["attempt"] for r in results] == ["1", "1"]
+    assert elapsed < 2 * (2 + STOP_BUDGET_SECONDS)
+    _assert_all_gone([r["pid"] for r in results])
+
+
+def test_a_failed_worker_restarts_the_job(tmp_path):
+    # Without a marker of its own, rank 1 fails on every attempt: two
+    # restarts, then the failure's exit code.
+    proc = _launch(tmp_path, "-n", "2", "--max-restarts", "2", MISBEHAVE,
+                   "--fail-rank", "1", "--exit-code", "5", timeout=60)
+
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stderr.count("worker rank 1 failed (exit code 5)") == 3
+    assert "attempt 2 of 2" in proc.stderr
+    assert [r["attempt"] for r in _results(tmp_path, 2)] == ["2", "2"]
+
+
+def test_a_port_taken_before_tensorflow_binds_it_is_retried_with_new_ports(tmp_path):
+    proc = _launch(tmp_path, "-n", "2", PORT_CLASH, str(tmp_path))
+
+    assert proc.returncode == 0, proc.stderr
+    assert "a worker could not bind its port" in proc.stderr
+    assert "starting again with new ports (1 of 3)" in proc.stderr
+    # Not a restart: the attempt number stays 0.
+    assert [r["attempt"] for r in _results(tmp_path, 2)] == ["0", "0"]

@@ -32,7 +32,7 @@ if args.ignore_signals:
 if args.exit_on_term is not None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(args.exit_on_term))
 
-write_result({"pid": os.getpid()})
+write_result({"pid": os.getpid(), "attempt": os.environ["KERAS_COMM_RESTART_ATTEMPT"]})
 print("ready", flush=True)
 
 if rank() == args.fail_rank:

@@ -15,6 +15,14 @@ write_result(
         "rank": os.environ.get("KERAS_COMM_RANK"),
         "world_size": os.environ.get("KERAS_COMM_WORLD_SIZE"),
         "extra": os.environ.get("KERAS_COMM_TEST_EXTRA"),
+        **{
+            name: os.environ.get(name)
+            for name in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "KERAS_COMM_LOCAL_RANK",
+                "KERAS_COMM_LOCAL_WORLD_SIZE", "KERAS_COMM_NODE_RANK",
+                "KERAS_COMM_RESTART_ATTEMPT", "CUDA_VISIBLE_DEVICES",
+            )
+        },
     }
 )
 # A final line without a newline must still reach the launcher's output.
