@@ -601,3 +601,173 @@ def test_a_port_taken_before_tensorflow_binds_it_is_retried_with_new_ports(tmp_p
     assert "starting again with new ports (1 of 3)" in proc.stderr
     # Not a restart: the attempt number stays 0.
     assert [r["attempt"] for r in _results(tmp_path, 2)] == ["0", "0"]
+
+
+# ---------------------------------------------------------------------------
+# Several nodes: rendezvous (in-process), then two launchers on this machine.
+# ---------------------------------------------------------------------------
+
+
+def _free_port_block(size):
+    """A port P with P..P+size-1 free (the rendezvous port and the workers')."""
+    for _ in range(100):
+        base = launch.pick_ports(1)[0]
+        if base + size > 65535:
+            continue
+        try:
+            launch.pick_ports(size, base_port=base)
+        except ValueError:
+            continue
+        return base
+    raise AssertionError("no free port block")
+
+
+def test_rendezvous_agrees_on_nodes_and_refuses_a_duplicate_node_rank():
+    import threading
+
+    from keras_comm_run.rendezvous import rendezvous
+
+    port = _free_port_block(1)
+    answers = {}
+
+    def node(rank, workers):
+        try:
+            answers[rank] = rendezvous("127.0.0.1", port, 3, rank, workers, timeout=20)
+        except ValueError as e:
+            answers[rank] = e
+
+    threads = [threading.Thread(target=node, args=(k, k + 1)) for k in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+    expected = [{"host": "127.0.0.1", "num_workers": k + 1} for k in range(3)]
+    assert answers == {0: expected, 1: expected, 2: expected}
+
+    # A second node claiming rank 1 is refused; node 2 then completes the job.
+    answers.clear()
+    node0 = threading.Thread(target=node, args=(0, 1))
+    first = threading.Thread(target=node, args=(1, 1))
+    node0.start()
+    first.start()
+    time.sleep(1.0)
+    impostor = {}
+
+    def claim_rank_1_again():
+        try:
+            rendezvous("127.0.0.1", port, 3, 1, 1, timeout=20)
+        except ValueError as e:
+            impostor["error"] = str(e)
+
+    t = threading.Thread(target=claim_rank_1_again)
+    t.start()
+    t.join(30)
+    last = threading.Thread(target=node, args=(2, 1))
+    last.start()
+    for t in (node0, first, last):
+        t.join(30)
+    assert "rendezvous refused by node 0: two nodes claim --node-rank 1" in impostor["error"]
+    assert answers == {k: [{"host": "127.0.0.1", "num_workers": 1}] * 3 for k in range(3)}
+
+
+def _two_nodes(tmp_path, script, *args, workers=(1, 2), timeout=120, extra=()):
+    port = _free_port_block(1 + sum(workers))
+    procs = []
+    for node_rank, n in enumerate(workers):
+        procs.append(
+            subprocess.Popen(
+                [*LAUNCHER, "--nnodes", str(len(workers)), "--node-rank", str(node_rank),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", str(n),
+                 "--timeout", str(timeout), *extra, script, *args],
+                env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout + 30))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return port, procs, outputs
+
+
+def test_two_nodes_get_one_consistent_cluster(tmp_path):
+    port, procs, outputs = _two_nodes(tmp_path, REPORT_ENV, timeout=60)
+
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "[rank 0] stdout line from rank 0" in outputs[0][0]
+    assert "[rank 2] stdout line from rank 2" in outputs[1][0]
+    results = _results(tmp_path, 3)
+    workers = [f"127.0.0.1:{port + 1 + g}" for g in range(3)]
+    for g, r in enumerate(results):
+        assert json.loads(r["tf_config"]) == {
+            "cluster": {"worker": workers}, "task": {"type": "worker", "index": g}}
+        assert r["RANK"] == str(g) and r["WORLD_SIZE"] == "3"
+        node = 0 if g == 0 else 1
+        assert r["KERAS_COMM_NODE_RANK"] == str(node)
+        assert r["LOCAL_RANK"] == str(g - (0 if node == 0 else 1))
+        assert r["LOCAL_WORLD_SIZE"] == str([1, 2][node])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nnodes", "2", "-n", "1", REPORT_ENV], "--master-port is required with --nnodes"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "20000", "-n", "1", REPORT_ENV],
+         "Received: node_rank=2"),
+        (["--nnodes", "2", "--master-port", "20000", "--master-addr", "192.0.2.1", "-n", "1",
+          REPORT_ENV], "Received: master_addr='192.0.2.1'"),
+        (["--nnodes", "2", "--master-port", "20000", "--max-restarts", "1", "-n", "1", REPORT_ENV],
+         "not supported with several nodes"),
+    ],
+    ids=["no-master-port", "node-rank-out-of-range", "non-loopback-master", "restarts"],
+)
+def test_bad_several_node_arguments(tmp_path, argv, message):
+    proc = _launch(tmp_path, *argv)
+
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_two_nodes_run_a_tensorflow_all_reduce(tmp_path):
+    _, procs, outputs = _two_nodes(tmp_path, str(SCRIPTS / "tf_all_reduce.py"), workers=(1, 1))
+
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert _results(tmp_path, 2) == [{"num_replicas": 2, "sum_ones": 2.0, "sum_ids": 3.0}] * 2
+
+
+# ---------------------------------------------------------------------------
+# A restart resumes training exactly (real TensorFlow workers).
+# ---------------------------------------------------------------------------
+
+
+def test_max_restarts_resumes_fit_to_the_uninterrupted_weights(tmp_path):
+    # Rank 1 SIGKILLs itself at global step 18 of 24 on the first attempt;
+    # the launcher restarts the job, which resumes from BackupAndRestore
+    # (after step 15) and then trains the same model uninterrupted to compare.
+    started = time.monotonic()
+    result = run_cluster(
+        "workers/checkpoint_worker.py", 2, tmp_path, "plain",
+        timeout=300, launcher_args=["--max-restarts", "1"],
+    ).check()
+    seconds = time.monotonic() - started
+
+    assert "worker rank 1 failed (killed by SIGKILL); stopped the other 1 worker(s)." in (
+        result.output)
+    assert "restarting the job, attempt 1 of 1 (KERAS_COMM_RESTART_ATTEMPT=1)." in result.output
+    kill = json.loads((tmp_path / "killed-plain").read_text())
+    assert kill["step"] == 18
+    for rank, r in enumerate(result.results):
+        c = r["results"]["plain"]
+        assert r["rank"] == rank and r["world"] == 2
+        assert c["max_rel"] == 0.0, c
+        assert c["optimizer_max_rel"] == 0.0, c
+        assert c["restored"] == {"epoch": 1, "step": 3}
+        assert c["trained_after_restore"] == 24 - 15
+    print(f"restart test: {seconds:.1f} s for both attempts; results {result.results}")
