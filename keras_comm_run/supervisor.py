@@ -51,13 +51,12 @@ def describe_status(returncode):
     return returncode, f"exit code {returncode}"
 
 
-def _signal_group(proc, signum):
-    """Sends `signum` to the worker's process group; False if it is gone."""
+def _group_exists(pgid):
     try:
-        os.killpg(proc.pid, signum)
-        return True
+        os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
-        return False
+        return False  # gone, or another user's group by now
+    return True
 
 
 def _parent_death_signal():
@@ -95,6 +94,11 @@ class _Job:
 
     def __init__(self, command, envs, ranks, view):
         self.procs = []
+        # A worker's process group id is its pid. Once the worker has exited
+        # and the last process of its group is gone, the kernel may give that
+        # number to an unrelated process group: such a group is never
+        # signalled again (see `note_exits`).
+        self._gone = set()
         self.ranks = ranks
         self.forwarders = []
         self.files = []
@@ -137,6 +141,30 @@ class _Job:
     def running(self):
         return [p for p in self.procs if p.poll() is None]
 
+    def note_exits(self):
+        """Records the groups of exited workers that have no process left.
+
+        Called every poll (50 ms), so a group is known to be gone long before
+        the kernel could cycle through the pid space and reuse its number.
+        While any process of a group lives, its id cannot be reused.
+        """
+        for proc in self.procs:
+            if proc.pid not in self._gone and proc.poll() is not None:
+                if not _group_exists(proc.pid):
+                    self._gone.add(proc.pid)
+
+    def _signal_group(self, proc, signum):
+        """Sends `signum` to a worker's process group unless it is gone."""
+        self.note_exits()
+        if proc.pid in self._gone:
+            return False
+        try:
+            os.killpg(proc.pid, signum)
+            return True
+        except (ProcessLookupError, PermissionError):
+            self._gone.add(proc.pid)
+            return False
+
     def port_clash(self):
         return any(f.port_clash for f in self.forwarders)
 
@@ -147,7 +175,7 @@ class _Job:
         """
         alive = self.running()
         for proc in alive:
-            _signal_group(proc, first_signal)
+            self._signal_group(proc, first_signal)
         deadline = time.monotonic() + grace
         while self.running() and time.monotonic() < deadline:
             if should_escalate is not None and should_escalate():
@@ -156,7 +184,7 @@ class _Job:
         # SIGKILL every group, including groups whose leader already exited
         # but left children behind: nothing of the job may outlive it.
         for proc in self.procs:
-            _signal_group(proc, signal.SIGKILL)
+            self._signal_group(proc, signal.SIGKILL)
         deadline = time.monotonic() + _KILL_WAIT_SECONDS
         for proc in self.procs:
             try:
@@ -516,6 +544,7 @@ def _supervise(job, catcher, deadline, timeout, stall_timeout):
             # A second Ctrl-C while stopping skips the grace period.
             stopped = job.stop(signum, should_escalate=lambda: len(catcher.received) > 1)
             return 128 + signum, f"{PROG}: received {name}; stopped {stopped} worker(s).", False
+        job.note_exits()
         for rank, proc in zip(job.ranks, job.procs):
             code = proc.poll()
             if code is not None and code != 0:

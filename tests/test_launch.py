@@ -771,3 +771,83 @@ def test_max_restarts_resumes_fit_to_the_uninterrupted_weights(tmp_path):
         assert c["restored"] == {"epoch": 1, "step": 3}
         assert c["trained_after_restore"] == 24 - 15
     print(f"restart test: {seconds:.1f} s for both attempts; results {result.results}")
+
+
+# ---------------------------------------------------------------------------
+# Stopping never reaches a process group that is no longer the job's.
+# ---------------------------------------------------------------------------
+
+
+def _job(commands_env, console):
+    from keras_comm_run import output, supervisor
+
+    state = output.Console.new_state()
+    view = supervisor._View(
+        output.Console(console, state), output.Console(console, state), True, None, "all", None
+    )
+    command, envs = commands_env
+    return supervisor._Job(command, envs, list(range(len(envs))), view)
+
+
+def test_stop_skips_the_group_of_a_worker_reaped_long_ago(tmp_path, monkeypatch):
+    # Worker 0 exits at once and leaves nothing behind: its pid (its group's
+    # id) is free for the kernel to reuse, so a later stop must not signal it.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1': time.sleep(60)\n"
+    )
+    envs = [dict(os.environ, RANK=str(r)) for r in range(2)]
+    console = io.StringIO()
+    job = _job(([sys.executable, str(script)], envs), console)
+    sent = []
+    real_killpg = os.killpg
+
+    def recording_killpg(pgid, signum):
+        sent.append((pgid, signum))
+        return real_killpg(pgid, signum)
+
+    try:
+        job.procs[0].wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the supervisor's poll loop, as it runs
+            job.note_exits()
+            time.sleep(0.05)
+        monkeypatch.setattr(os, "killpg", recording_killpg)
+        job.stop(signal.SIGTERM, grace=2.0)
+    finally:
+        monkeypatch.setattr(os, "killpg", real_killpg)
+        job.stop(signal.SIGKILL, grace=0.0)
+        job.drain()
+
+    reaped, running = job.procs[0].pid, job.procs[1].pid
+    assert [s for pgid, s in sent if pgid == reaped and s != 0] == []
+    assert (running, signal.SIGTERM) in sent
+    assert job.procs[1].returncode == -signal.SIGTERM
+
+
+def test_stop_still_kills_what_an_exited_worker_left_behind(tmp_path):
+    # Worker 0 exits 0 but leaves a child in its process group: the group
+    # still exists (its id cannot be reused), and the job's stop kills it.
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('child', child.pid, flush=True)\n"
+    )
+    console = io.StringIO()
+    job = _job(([sys.executable, str(script)], [dict(os.environ)]), console)
+    try:
+        job.procs[0].wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while "child" not in console.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(console.getvalue().split("child ")[1].split()[0])
+        job.note_exits()
+        assert _alive(child)
+        job.stop(signal.SIGTERM, grace=2.0)
+    finally:
+        job.stop(signal.SIGKILL, grace=0.0)
+        job.drain()
+
+    _assert_all_gone([child])
