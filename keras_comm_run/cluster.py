@@ -105,8 +105,12 @@ def _ephemeral_low():
 
 
 def _bindable(family, port):
+    """None if TensorFlow could listen on `port`, else the OSError of the bind."""
     wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # gRPC binds with SO_REUSEADDR: a port whose last connections wait in
+        # TIME_WAIT (a job just stopped) is usable, one with a live socket not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((wildcard, port))
         except OSError as e:

@@ -471,10 +471,12 @@ def run(
         else:
             cluster.check_host(host, allow_non_loopback)
             first_rank = 0
-            cluster.pick_ports(num_workers, host, base_port)  # a busy base_port fails now
+            fixed = cluster.pick_ports(num_workers, host, base_port) if base_port else None
 
             def layout():
-                ports = cluster.pick_ports(num_workers, host, base_port)
+                # Fixed ports are checked once, before anything starts; a
+                # restart reuses them (freed by the stopped job).
+                ports = fixed or cluster.pick_ports(num_workers, host)
                 return [cluster.address(host, p) for p in ports]
 
         return _supervise_attempts(
