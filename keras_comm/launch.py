@@ -28,6 +28,7 @@ from keras_comm_run import run  # noqa: E402
 from keras_comm_run import tf_config  # noqa: E402
 from keras_comm_run import validate_tf_config  # noqa: E402
 from keras_comm_run import worker_env  # noqa: E402
+from keras_comm_run.cluster import check_host as _check_host  # noqa: E402,F401  (old private name)
 
 __all__ = [
     "EXIT_TIMEOUT",
