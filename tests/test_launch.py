@@ -851,3 +851,69 @@ def test_stop_still_kills_what_an_exited_worker_left_behind(tmp_path):
         job.drain()
 
     _assert_all_gone([child])
+
+
+def _make_two_hosts(tag):
+    """Two network namespaces joined by a veth pair: 10.77.<x>.1 and .2, or None."""
+    import shutil as _shutil
+
+    if os.geteuid() != 0 or not _shutil.which("ip"):
+        return None
+    names = [f"kc{tag}a", f"kc{tag}b"]
+    subnet = f"10.77.{tag % 250}"
+    steps = [
+        ["ip", "netns", "add", names[0]],
+        ["ip", "netns", "add", names[1]],
+        ["ip", "link", "add", f"v{tag}a", "netns", names[0], "type", "veth",
+         "peer", "name", f"v{tag}b", "netns", names[1]],
+        ["ip", "-n", names[0], "addr", "add", f"{subnet}.1/24", "dev", f"v{tag}a"],
+        ["ip", "-n", names[1], "addr", "add", f"{subnet}.2/24", "dev", f"v{tag}b"],
+        ["ip", "-n", names[0], "link", "set", f"v{tag}a", "up"],
+        ["ip", "-n", names[1], "link", "set", f"v{tag}b", "up"],
+        ["ip", "-n", names[0], "link", "set", "lo", "up"],
+        ["ip", "-n", names[1], "link", "set", "lo", "up"],
+    ]
+    for step in steps:
+        if subprocess.run(step, capture_output=True).returncode != 0:
+            _remove_hosts(names)
+            return None
+    return names, [f"{subnet}.1", f"{subnet}.2"]
+
+
+def _remove_hosts(names):
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_network_namespaces_as_two_hosts(tmp_path):
+    hosts = _make_two_hosts(os.getpid() % 10000)
+    if hosts is None:
+        pytest.skip("needs root and `ip netns` (network namespaces) on this machine")
+    names, addresses = hosts
+    procs = []
+    try:
+        procs += [
+            subprocess.Popen(
+                ["ip", "netns", "exec", name, *LAUNCHER, "--nnodes", "2", "--node-rank", str(k),
+                 "--master-addr", addresses[0], "--master-port", "29500",
+                 "--allow-non-loopback", "-n", "2", "--timeout", "60", REPORT_ENV],
+                env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for k, name in enumerate(names)
+        ]
+        outputs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _remove_hosts(names)
+
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    # Node 1's address is the one node 0 saw its report come from.
+    workers = [f"{addresses[0]}:29501", f"{addresses[0]}:29502",
+               f"{addresses[1]}:29503", f"{addresses[1]}:29504"]
+    for g, r in enumerate(_results(tmp_path, 4)):
+        assert json.loads(r["tf_config"])["cluster"]["worker"] == workers
+        assert (r["RANK"], r["LOCAL_RANK"], r["KERAS_COMM_NODE_RANK"]) == (
+            str(g), str(g % 2), str(g // 2))
