@@ -118,8 +118,11 @@ def _bindable(family, port):
     return None
 
 
-def check_ports(ports, host="127.0.0.1", what="base_port"):
-    """Raises LaunchError naming the first of `ports` that cannot be bound."""
+def check_ports(ports, host="127.0.0.1", received=None):
+    """Raises LaunchError naming the first of `ports` that cannot be bound.
+
+    `received` ends the message (default `base_port=<first port>`).
+    """
     family = socket_family(host)
     wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
     for port in ports:
@@ -127,7 +130,8 @@ def check_ports(ports, host="127.0.0.1", what="base_port"):
         if error is not None:
             raise LaunchError(
                 f"cannot use port {port} ({error.strerror or error}); TensorFlow "
-                f"listens on {address(wildcard, port)}. Received: {what}={ports[0]}"
+                f"listens on {address(wildcard, port)}. "
+                f"Received: {received or f'base_port={ports[0]}'}"
             )
 
 

@@ -463,7 +463,7 @@ def run(
                 addresses.extend(cluster.address(node["host"], p) for p in ports)
             cluster.check_ports(
                 cluster.node_ports(master_port, first_rank, num_workers), master_addr,
-                "master_port",
+                f"master_port={master_port}",
             )
 
             def layout():
