@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from keras_comm_run import bootstrap
 from keras_comm_run import cluster
 from keras_comm_run import output
 from keras_comm_run.cluster import LaunchError
@@ -266,7 +267,8 @@ class _SignalCatcher:
 
 
 def python_command(command):
-    """`[sys.executable, *command]` after checking `command`'s shape."""
+    """The worker argv for `command` (after checking its shape): `command`
+    run by this Python under `keras_comm_run.bootstrap`."""
     if isinstance(command, (str, bytes)) or not command:
         raise LaunchError(
             "`command` must be a non-empty list such as ['script.py', '--x'] "
@@ -282,7 +284,7 @@ def python_command(command):
         raise LaunchError(
             f"`script` must be an existing file. Received: script={command[0]!r}"
         )
-    return [sys.executable, *command]
+    return bootstrap.command(sys.executable, command)
 
 
 # Argument checks (candidates for a shared keras_comm validation module).

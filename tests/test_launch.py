@@ -917,3 +917,46 @@ def test_two_network_namespaces_as_two_hosts(tmp_path):
         assert json.loads(r["tf_config"])["cluster"]["worker"] == workers
         assert (r["RANK"], r["LOCAL_RANK"], r["KERAS_COMM_NODE_RANK"]) == (
             str(g), str(g % 2), str(g // 2))
+
+
+def test_a_tensorflow_worker_stops_promptly_after_its_cleanup(tmp_path):
+    # MWMS's coordination service installs a C-level SIGTERM handler that
+    # only records the signal; the launcher's bootstrap still turns the
+    # stop into SystemExit, so `finally` and atexit run, within 2 s.
+    result = run_cluster("launch_scripts/tf_stop.py", 2, timeout=180, out_dir=tmp_path)
+
+    assert result.returncode == 3, result.tail()
+    assert "worker rank 1 failed (exit code 3); stopped the other 1 worker(s)." in result.output
+    assert result.results[0]["replicas"] == 2
+    failed = json.loads((tmp_path / "failed.json").read_text())["time"]
+    cleaned = json.loads((tmp_path / "finally.json").read_text())["time"]
+    exited = json.loads((tmp_path / "atexit.json").read_text())["time"]
+    print(f"stop: finally {cleaned - failed:.2f} s, atexit {exited - failed:.2f} s after the failure")
+    assert failed < cleaned <= exited < failed + 2.0
+    _assert_all_gone([result.results[0]["pid"]])
+
+
+def test_bootstrap_runs_scripts_and_modules_like_python(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'name': __name__,\n"
+        "                  'file': __file__}))\n"
+    )
+    from keras_comm_run import bootstrap
+
+    proc = subprocess.run(bootstrap.command(sys.executable, [str(script), "-x", "--", "y"]),
+                          capture_output=True, text=True, timeout=30)
+    got = json.loads(proc.stdout)
+    assert got == {"argv": [str(script), "-x", "--", "y"], "path0": str(tmp_path),
+                   "name": "__main__", "file": str(script)}
+
+    proc = subprocess.run(bootstrap.command(sys.executable, ["-m", "s", "a"]), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    got = json.loads(proc.stdout)
+    assert got["argv"] == [str(script), "a"] and got["path0"] == str(tmp_path)
+    assert got["name"] == "__main__"
+
+    proc = subprocess.run(bootstrap.command(sys.executable, [str(tmp_path / "missing.py")]),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "missing.py" in proc.stderr
