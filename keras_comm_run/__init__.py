@@ -18,6 +18,7 @@ library, so starting the launcher never imports TensorFlow (importing any
 - `rendezvous`: how the nodes of a several-node job agree on the cluster;
 - `output`: live, prefixed, filtered and logged forwarding of worker output;
 - `supervisor`: `run`, which starts, watches, stops and restarts workers;
+- `bootstrap`: how a worker runs the script so that SIGTERM stops it cleanly;
 - `cli`: the command line.
 
 Example:

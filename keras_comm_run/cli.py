@@ -62,6 +62,16 @@ restarts:
   number is in KERAS_COMM_RESTART_ATTEMPT. The script resumes from its own
   checkpoint (keras_comm.callbacks.BackupAndRestore). One node only.
 
+stopping:
+  A stop (a failed worker, --timeout, a stall) sends SIGTERM to every
+  worker; SIGINT/SIGTERM/SIGHUP to the launcher are forwarded as such. Workers run under a small bootstrap
+  (keras_comm_run.bootstrap) so that SIGTERM raises SystemExit(143) in the
+  script's main thread even after TensorFlow's coordination service has
+  taken the signal over: finally blocks and atexit handlers run, then the
+  worker exits, at most KERAS_COMM_STOP_SECONDS (1.5) s after the signal. A
+  SIGTERM handler the script installed (e.g. TensorFlow's
+  PreemptionCheckpointHandler) is called instead and has the full 5 s.
+
 exit status:
   0        every worker exited 0
   k        the first worker to fail exited with code k; the others were
