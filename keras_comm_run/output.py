@@ -145,7 +145,6 @@ class Forwarder:
         if self.console is None:
             return
         with self.console.lock:
-            self.console.end_open_line(owner=self)
             pieces = []
             start = 0
             for i, char in enumerate(text):
@@ -155,6 +154,8 @@ class Forwarder:
                 start = i + 1
             self._piece(pieces, text[start:], "")
             if pieces:
+                # Only a writer that shows something ends another's line.
+                self.console.end_open_line(owner=self)
                 out = "".join(pieces)
                 self.console.write(out)
                 self.console.state["open"] = None if out.endswith("\n") else self

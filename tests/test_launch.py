@@ -960,3 +960,25 @@ def test_bootstrap_runs_scripts_and_modules_like_python(tmp_path):
     proc = subprocess.run(bootstrap.command(sys.executable, [str(tmp_path / "missing.py")]),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "missing.py" in proc.stderr
+
+
+def test_a_hidden_progress_bar_never_breaks_the_chiefs_line():
+    # Deterministic: the two forwarders fed by hand in a fixed order.
+    from keras_comm_run import output
+
+    console = io.StringIO()
+    state = output.Console.new_state()
+    chief, other = (
+        output.Forwarder(None, output.Console(console, state), f"[rank {r}] ", redraws=r == 0)
+        for r in (0, 1)
+    )
+    chief._feed("Epoch 1/2\n\r1/8 ==")
+    other._feed("\r1/8 ==")  # hidden: must not end the chief's open bar
+    chief._feed("\b\b\r8/8 ====")
+    other._feed("\b\b\r8/8 ====\nplain line\n")  # shown: ends the bar first
+    chief._feed(" loss: 0\n")
+
+    assert console.getvalue() == (
+        "[rank 0] Epoch 1/2\n\r[rank 0] 1/8 ==\b\b\r[rank 0] 8/8 ====\n"
+        "[rank 1] plain line\n[rank 0]  loss: 0\n"
+    )
