@@ -6,72 +6,11 @@ a nest of tensors (one transfer per dtype).
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
+from keras_comm.ops import _differentiable as D
 from keras_comm.ops import _fusion
 from keras_comm.ops.reduce_op import ReduceOp
-
-# Dtypes TF's collectives accept (checked on CPU, TF 2.21). all_gather_v2 and
-# the broadcast ops reject bfloat16, so those go through float32 (exact).
-_COLLECTIVE_DTYPES = (
-    tf.float16,
-    tf.bfloat16,
-    tf.float32,
-    tf.float64,
-    tf.int32,
-    tf.int64,
-)
-
-
-def _check_dtype(x, what):
-    if x.dtype not in _COLLECTIVE_DTYPES:
-        raise TypeError(
-            f"{what} supports dtypes {[d.name for d in _COLLECTIVE_DTYPES]}. "
-            f"Received: x.dtype={x.dtype.name}"
-        )
-
-
-def _what(fn_name, name):
-    return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
-
-
-def _member_index(call, rank, arg, what):
-    """The group index of global `rank` (a root/dest/src argument)."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{what}: `{arg}` must be an int global rank. Received: {arg}={rank!r}")
-    if rank not in call.group:
-        raise ValueError(
-            f"{what}: `{arg}` must be a global rank in the group "
-            f"{list(call.group.ranks)}. Received: {arg}={rank!r}"
-        )
-    return call.group.index(rank)
-
-
-def _check_divisible(x, axis, n, what, layer_kind):
-    """Static check that ``x.shape[axis]`` splits into `n` equal parts."""
-    if x.shape.rank is None:
-        raise ValueError(f"{what}: the input needs a known rank. Received: x.shape={x.shape}")
-    if x.shape.rank == 0:
-        raise ValueError(f"{what}: the input must have at least one dimension. Received: x.shape={x.shape}")
-    dim = x.shape[axis]
-    if dim is not None and dim % n:
-        raise ValueError(
-            f"{what}: {layer_kind} needs dimension {axis} of the input to be "
-            f"divisible by the group size {n}. Received: x.shape={x.shape}"
-        )
-
-
-def _broadcast(x, call, root_index):
-    """The broadcast primitive, with bfloat16 carried as float32."""
-    if x.dtype == tf.bfloat16:
-        return tf.cast(_collective.broadcast(tf.cast(x, tf.float32), call, root_index), tf.bfloat16)
-    return _collective.broadcast(x, call, root_index)
-
-
-def _gather(x, call):
-    """The all_gather primitive, with bfloat16 carried as float32."""
-    if x.dtype == tf.bfloat16:
-        return tf.cast(_collective.all_gather(tf.cast(x, tf.float32), call), tf.bfloat16)
-    return _collective.all_gather(x, call)
 
 
 def all_gather_indexed_slices(slices, call):
@@ -97,7 +36,7 @@ def all_gather_indexed_slices(slices, call):
     indices = slices.indices
     values = slices.values
     count = tf.shape(indices, out_type=tf.int64)[:1]
-    counts = _collective.all_gather(count, call)
+    counts = D.all_gather(count, call)
     max_count = tf.reduce_max(counts)
     pad = max_count - count[0]
     indices = tf.concat([indices, tf.zeros(tf.reshape(pad, [1]), indices.dtype)], 0)
@@ -106,8 +45,8 @@ def all_gather_indexed_slices(slices, call):
         values.dtype,
     )
     values = tf.concat([values, value_pad], 0)
-    gathered_indices = _collective.all_gather(indices, call)
-    gathered_values = _gather(values, call)
+    gathered_indices = D.all_gather(indices, call)
+    gathered_values = D.all_gather(values, call)
     keep = tf.reshape(tf.sequence_mask(counts, max_count), [-1])
     return tf.IndexedSlices(
         tf.boolean_mask(gathered_values, keep),
@@ -117,53 +56,37 @@ def all_gather_indexed_slices(slices, call):
 
 
 def _all_reduce_dense(x, op, call, fusion=0):
-    """One differentiable all-reduce of one tensor (call is not trivial).
+    """One differentiable all-reduce of one tensor.
 
     `fusion` > 0 packs the forward reduction and the backward SUM of dy with
     the other members of that fusion group (see `_fusion`).
     """
 
-    def reduce_sum(t):
-        return _collective.all_reduce(t, call, "sum", fusion)
+    def forward(x):
+        return D.all_reduce(x, call, op.value, fusion)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(
-            lambda: _collective.all_reduce(x, call, op.value, fusion) if call.member else x
-        )
+    def backward(dy, x, y):
+        if isinstance(dy, tf.IndexedSlices):
+            # SUM only: dx_r = sum_s dy_s, kept sparse (every member's rows).
+            return all_gather_indexed_slices(dy, call)
+        total = D.all_reduce(dy, call, "sum", fusion)
+        if op is ReduceOp.SUM:
+            return total
+        if op is ReduceOp.PROD:
+            return _prod_grad(x, total, call)
+        # MAX / MIN: the full summed gradient goes to every member whose x
+        # equals the result; on ties every tied member gets all of it (a
+        # subgradient would split it).
+        return total * tf.cast(tf.equal(x, y), dy.dtype)
 
-        def grad(dy):
-            if isinstance(dy, tf.IndexedSlices) and op is ReduceOp.SUM:
-                # dx_r = sum_s dy_s, kept sparse: every member's rows.
-                return _collective.run(
-                    lambda: all_gather_indexed_slices(dy, call) if call.member else dy
-                )
-            dy = tf.convert_to_tensor(dy)
-            if op is ReduceOp.SUM:
-                return _collective.run(lambda: reduce_sum(dy) if call.member else dy)
-            if op is ReduceOp.PROD:
-                return _collective.run(
-                    lambda: _prod_grad(x, reduce_sum(dy), call) if call.member else dy
-                )
-            # MAX / MIN: the full summed gradient goes to every member whose x
-            # equals the result; on ties every tied member gets all of it
-            # (the reference's convention; a subgradient would split it).
-            return _collective.run(
-                lambda: reduce_sum(dy) * tf.cast(tf.equal(x, y), dy.dtype)
-                if call.member
-                else dy
-            )
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward, sparse_grad=op is ReduceOp.SUM)
 
 
 def _prod_grad(x, summed_dy, call):
     # d(prod_t x_t)/dx_r = prod_{t != r} x_t, computed as an exclusive product
     # of the gathered inputs (prefix times suffix): exact, and finite when some
     # x are zero, where the reference's out / x is NaN. Costs one all-gather.
-    gathered = _gather(x[tf.newaxis], call)
+    gathered = D.all_gather(x[tf.newaxis], call)
     others = tf.math.cumprod(gathered, axis=0, exclusive=True) * tf.math.cumprod(
         gathered, axis=0, exclusive=True, reverse=True
     )
@@ -199,7 +122,7 @@ def _sparse(x, op, call, what):
             f"{what}: a tf.IndexedSlices input can only be reduced with op='sum'. "
             f"Received: op={op.value!r}"
         )
-    _check_dtype(x.values, what)
+    D.check_dtype(x.values, what)
     if call.trivial:
         return x
     return _collective.run(
@@ -269,7 +192,7 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     """
     op = ReduceOp.from_value(op)
     fusion = _fusion.validate_fusion(fusion)
-    what = _what("all_reduce", name)
+    what = _checks.what("all_reduce", name)
     call = _collective.resolve(group, timeout, name)
     if isinstance(x, tf.IndexedSlices):
         return _sparse(x, op, call, what)
@@ -279,10 +202,10 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
             for v in tf.nest.flatten(x, expand_composites=False)
         ]
         for v in flat:
-            _check_dtype(v.values if isinstance(v, tf.IndexedSlices) else v, what)
+            D.check_dtype(v.values if isinstance(v, tf.IndexedSlices) else v, what)
         return tf.nest.pack_sequence_as(x, _fused(flat, op, call, what, fusion))
     x = tf.convert_to_tensor(x)
-    _check_dtype(x, what)
+    D.check_dtype(x, what)
     if call.trivial:
         return tf.identity(x)
     return _all_reduce_dense(x, op, call, fusion)

@@ -2,14 +2,9 @@
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
-
-# TF's CPU collectives reject bfloat16; it travels as float32 (exact).
-_CAST_TO_FLOAT32 = (tf.bfloat16,)
-
-
-def _what(name):
-    return f"keras_comm.ops.all_swap (layer {name!r})" if name else "keras_comm.ops.all_swap"
+from keras_comm.ops import _differentiable as D
 
 
 def _pack(x, sizes, n, width):
@@ -26,12 +21,6 @@ def _pack(x, sizes, n, width):
 def _unpack(received, sizes, width):
     """[n, width, ...] -> the first sizes[j] rows of each j, concatenated."""
     return tf.boolean_mask(received, tf.sequence_mask(sizes, width))
-
-
-def _a2a(x, call):
-    if x.dtype in _CAST_TO_FLOAT32:
-        return tf.cast(_collective.all_to_all(tf.cast(x, tf.float32), call), x.dtype)
-    return _collective.all_to_all(x, call)
 
 
 def all_swap(x, send_sizes, recv_sizes=None, group=None, *, timeout=None, name=None):
@@ -71,7 +60,7 @@ def all_swap(x, send_sizes, recv_sizes=None, group=None, *, timeout=None, name=N
         ValueError: if the sizes do not have one entry per member, or the
             static row count of `x` differs from ``sum(send_sizes)``.
     """
-    what = _what(name)
+    what = _checks.what("all_swap", name)
     x = tf.convert_to_tensor(x)
     send_sizes = tf.cast(tf.convert_to_tensor(send_sizes), tf.int32)
     call = _collective.resolve(group, timeout, name)
@@ -94,47 +83,32 @@ def all_swap(x, send_sizes, recv_sizes=None, group=None, *, timeout=None, name=N
                 f"{what}: `x` must have sum(send_sizes)={int(static.sum())} rows. "
                 f"Received: x.shape={tuple(x.shape)}, send_sizes={static.tolist()}"
             )
-    if call.trivial:
-        return tf.identity(x)
+    state = {}
 
-    @tf.custom_gradient
-    def fn(x):
-        state = {}
+    def forward(x):
+        with tf.device(call.device):
+            matrix = tf.reshape(D.all_gather(send_sizes, call), [n, n])
+            width = tf.reduce_max(matrix)
+            recv_from = matrix[:, call.index]
+            checks = []
+            if recv_sizes is not None:
+                checks.append(tf.debugging.assert_equal(
+                    tf.cast(recv_sizes, tf.int32), recv_from,
+                    message=f"{what}: `recv_sizes` differ from what the members send",
+                ))
+            state.update(width=width, recv_from=recv_from)
+            with tf.control_dependencies(checks):
+                received = D.all_to_all(_pack(x, send_sizes, n, width), call)
+            return _unpack(received, recv_from, width)
 
-        def forward():
-            if not call.member:
-                return tf.identity(x)
-            with tf.device(call.device):
-                matrix = tf.reshape(_collective.all_gather(send_sizes, call), [n, n])
-                width = tf.reduce_max(matrix)
-                recv_from = matrix[:, call.index]
-                checks = []
-                if recv_sizes is not None:
-                    checks.append(tf.debugging.assert_equal(
-                        tf.cast(recv_sizes, tf.int32), recv_from,
-                        message=f"{what}: `recv_sizes` differ from what the members send",
-                    ))
-                state.update(width=width, recv_from=recv_from)
-                with tf.control_dependencies(checks):
-                    received = _a2a(_pack(x, send_sizes, n, width), call)
-                return _unpack(received, recv_from, width)
+    def backward(dy, x, y):
+        # The same exchange with the sizes swapped.
+        with tf.device(call.device):
+            width = state["width"]
+            received = D.all_to_all(_pack(dy, state["recv_from"], n, width), call)
+            return _unpack(received, send_sizes, width)
 
-        y = _collective.run(forward)
-
-        def grad(dy):
-            def backward():
-                if not call.member:
-                    return dy
-                with tf.device(call.device):
-                    width = state["width"]
-                    received = _a2a(_pack(dy, state["recv_from"], n, width), call)
-                    return _unpack(received, send_sizes, width)
-
-            return _collective.run(backward)
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 __all__ = ["all_swap"]

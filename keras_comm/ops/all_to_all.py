@@ -2,27 +2,9 @@
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
-from keras_comm.ops.all_reduce import _check_divisible
-from keras_comm.ops.all_reduce import _check_dtype
-from keras_comm.ops.all_reduce import _what
-
-
-def _validate_int(value, arg):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{arg}` must be an int. Received: {arg}={value!r}")
-    return value
-
-
-def normalize_dim(dim, rank, arg, what):
-    """`dim` in ``[-rank, rank)`` as a non-negative axis."""
-    _validate_int(dim, arg)
-    if not -rank <= dim < rank:
-        raise ValueError(
-            f"{what}: `{arg}` must be in [{-rank}, {rank}) for an input of rank "
-            f"{rank}. Received: {arg}={dim}"
-        )
-    return dim % rank
+from keras_comm.ops import _differentiable as D
 
 
 def _exchange(x, call, split_dim, concat_dim):
@@ -38,7 +20,7 @@ def _exchange(x, call, split_dim, concat_dim):
     )
     if split_dim != 0:
         chunks = tf.transpose(chunks, [split_dim] + [i for i in range(rank + 1) if i != split_dim])
-    received = _collective.all_to_all(chunks, call)  # [n, *chunk shape]
+    received = D.all_to_all(chunks, call)  # [n, *chunk shape]
     if concat_dim != 0:
         received = tf.transpose(
             received,
@@ -86,39 +68,26 @@ def all_to_all(x, split_count, split_dim, concat_dim, group=None, *, timeout=Non
             of range, or ``x.shape[split_dim]`` is not divisible.
         TypeError: a non-int argument or an unsupported dtype.
     """
-    what = _what("all_to_all", name)
-    _validate_int(split_count, "split_count")
+    what = _checks.what("all_to_all", name)
+    _checks.check_int(split_count, "split_count")
     x = tf.convert_to_tensor(x)
-    _check_dtype(x, what)
-    if x.shape.rank is None or x.shape.rank == 0:
-        raise ValueError(
-            f"{what}: the input must have a known rank >= 1. Received: x.shape={x.shape}"
-        )
+    D.check_dtype(x, what)
+    _checks.check_known_rank(x.shape, what)
     rank = x.shape.rank
-    split_dim = normalize_dim(split_dim, rank, "split_dim", what)
-    concat_dim = normalize_dim(concat_dim, rank, "concat_dim", what)
+    split_dim = _checks.normalize_axis(split_dim, rank, "split_dim", what)
+    concat_dim = _checks.normalize_axis(concat_dim, rank, "concat_dim", what)
     call = _collective.resolve(group, timeout, name)
     if split_count != call.size:
         raise ValueError(
             f"{what}: `split_count` must equal the group size {call.size}. "
             f"Received: split_count={split_count}"
         )
-    _check_divisible(x, split_dim, call.size, what, "AlltoAll")
-    if call.trivial:
-        return tf.identity(x)
+    _checks.check_divisible(x.shape, split_dim, call.size, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(
-            lambda: _exchange(x, call, split_dim, concat_dim) if call.member else x
-        )
+    def forward(x):
+        return _exchange(x, call, split_dim, concat_dim)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            return _collective.run(
-                lambda: _exchange(dy, call, concat_dim, split_dim) if call.member else dy
-            )
+    def backward(dy, x, y):
+        return _exchange(dy, call, concat_dim, split_dim)
 
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)

@@ -6,11 +6,9 @@ through.
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
-from keras_comm.ops.all_reduce import _broadcast
-from keras_comm.ops.all_reduce import _check_dtype
-from keras_comm.ops.all_reduce import _member_index
-from keras_comm.ops.all_reduce import _what
+from keras_comm.ops import _differentiable as D
 
 BROADCAST_GRADIENTS = ("exact", "identity")
 
@@ -18,10 +16,7 @@ BROADCAST_GRADIENTS = ("exact", "identity")
 def validate_gradient(gradient, name="gradient"):
     """Returns `gradient` if it is "exact" or "identity"; raises otherwise."""
     if not isinstance(gradient, str) or gradient.lower() not in BROADCAST_GRADIENTS:
-        raise ValueError(
-            f"`{name}` must be one of {list(BROADCAST_GRADIENTS)}. "
-            f"Received: {name}={gradient!r}"
-        )
+        _checks.check_choice(gradient, name, BROADCAST_GRADIENTS)
     return gradient.lower()
 
 
@@ -56,35 +51,22 @@ def broadcast(x, root=0, group=None, *, gradient="exact", timeout=None, name=Non
         ValueError: `root` not in the group, or an unknown `gradient`.
         TypeError: `root` not an int, or an unsupported dtype.
     """
-    what = _what("broadcast", name)
+    what = _checks.what("broadcast", name)
     gradient = validate_gradient(gradient)
     x = tf.convert_to_tensor(x)
-    _check_dtype(x, what)
+    D.check_dtype(x, what)
     call = _collective.resolve(group, timeout, name)
-    root_index = _member_index(call, root, "root", what)
-    if call.trivial:
-        return tf.identity(x)
-    is_root = call.member and call.index == root_index
+    root_index = _checks.member_index(call.group, root, "root", what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: _broadcast(x, call, root_index) if call.member else x)
+    def forward(x):
+        return D.broadcast(x, call, root_index)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            if gradient == "identity":
-                return dy
+    def backward(dy, x, y):
+        # TF has no reduce-to-one collective: all-reduce, keep at root.
+        total = D.all_reduce(dy, call, "sum")
+        return total if call.index == root_index else tf.zeros_like(total)
 
-            def backward():
-                # TF has no reduce-to-one collective: all-reduce, keep at root.
-                total = _collective.all_reduce(dy, call, "sum")
-                return total if is_root else tf.zeros_like(total)
-
-            return _collective.run(backward if call.member else lambda: dy)
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, None if gradient == "identity" else backward)
 
 
 def reduce(x, dest=0, group=None, *, timeout=None, name=None):
@@ -106,29 +88,17 @@ def reduce(x, dest=0, group=None, *, timeout=None, name=None):
         ValueError: `dest` not in the group. TypeError: `dest` not an int,
             or an unsupported dtype.
     """
-    what = _what("reduce", name)
+    what = _checks.what("reduce", name)
     x = tf.convert_to_tensor(x)
-    _check_dtype(x, what)
+    D.check_dtype(x, what)
     call = _collective.resolve(group, timeout, name)
-    dest_index = _member_index(call, dest, "dest", what)
-    if call.trivial:
-        return tf.identity(x)
-    is_dest = call.member and call.index == dest_index
+    dest_index = _checks.member_index(call.group, dest, "dest", what)
 
-    @tf.custom_gradient
-    def fn(x):
-        def forward():
-            total = _collective.all_reduce(x, call, "sum")
-            return total if is_dest else tf.zeros_like(total)
+    def forward(x):
+        total = D.all_reduce(x, call, "sum")
+        return total if call.index == dest_index else tf.zeros_like(total)
 
-        y = _collective.run(forward if call.member else lambda: x)
+    def backward(dy, x, y):
+        return D.broadcast(dy, call, dest_index)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            return _collective.run(
-                lambda: _broadcast(dy, call, dest_index) if call.member else dy
-            )
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)

@@ -8,32 +8,19 @@ shape is their input shape) and their gradient passes through.
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
-from keras_comm.ops.all_reduce import _broadcast
-from keras_comm.ops.all_reduce import _check_divisible
-from keras_comm.ops.all_reduce import _check_dtype
-from keras_comm.ops.all_reduce import _gather
-from keras_comm.ops.all_reduce import _member_index
-from keras_comm.ops.all_reduce import _what
+from keras_comm.ops import _differentiable as D
 from keras_comm.ops.reduce_op import ReduceOp
 
 
 def _prepare(x, fn_name, name):
-    what = _what(fn_name, name)
+    what = _checks.what(fn_name, name)
     x = tf.convert_to_tensor(x)
-    _check_dtype(x, what)
-    if x.shape.rank is None or x.shape.rank == 0:
-        raise ValueError(
-            f"{what}: the input must have a known rank >= 1 (it is split or "
-            f"concatenated along axis 0). Received: x.shape={x.shape}"
-        )
+    D.check_dtype(x, what)
+    # Split or concatenated along axis 0.
+    _checks.check_known_rank(x.shape, what)
     return x, what
-
-
-def _reduce_scatter(x, call):
-    if x.dtype == tf.bfloat16 and _collective.has_native_reduce_scatter(call.device):
-        return tf.cast(_collective.reduce_scatter(tf.cast(x, tf.float32), call), tf.bfloat16)
-    return _collective.reduce_scatter(x, call)
 
 
 def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
@@ -59,30 +46,19 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
     Returns:
         Shape ``[n * x.shape[0], ...]`` on members; `x` on non-members.
     """
-    x, what = _prepare(x, "all_gather", name)
+    x, _ = _prepare(x, "all_gather", name)
     call = _collective.resolve(group, timeout, name)
-    if call.trivial:
-        return tf.identity(x)
-    n = call.size
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: _gather(x, call) if call.member else x)
+    def forward(x):
+        return D.all_gather(x, call)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
+    def backward(dy, x, y):
+        dx = D.reduce_scatter(dy, call)
+        # tf.constant, not tf.cast: a Python float would pass through
+        # float32 first (1/3 off by 1e-8 in float64).
+        return dx * tf.constant(1.0 / call.size, dx.dtype) if mean_flag else dx
 
-            def thunk():
-                dx = _reduce_scatter(dy, call)
-                # tf.constant, not tf.cast: a Python float would pass
-                # through float32 first (1/3 off by 1e-8 in float64).
-                return dx * tf.constant(1.0 / n, dx.dtype) if mean_flag else dx
-
-            return _collective.run(thunk if call.member else lambda: dy)
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
@@ -106,7 +82,7 @@ def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
     Raises:
         ValueError: `op` is not SUM; axis 0 not divisible by the group size.
     """
-    what = _what("reduce_scatter", name)
+    what = _checks.what("reduce_scatter", name)
     op = ReduceOp.from_value(op)
     if op is not ReduceOp.SUM:
         raise ValueError(
@@ -115,21 +91,15 @@ def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
         )
     x, what = _prepare(x, "reduce_scatter", name)
     call = _collective.resolve(group, timeout, name)
-    _check_divisible(x, 0, call.size, what, "ReduceScatter")
-    if call.trivial:
-        return tf.identity(x)
+    _checks.check_divisible(x.shape, 0, call.size, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: _reduce_scatter(x, call) if call.member else x)
+    def forward(x):
+        return D.reduce_scatter(x, call)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            return _collective.run(lambda: _gather(dy, call) if call.member else dy)
+    def backward(dy, x, y):
+        return D.all_gather(dy, call)
 
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 def collective_gather(x, dest=0, group=None, *, timeout=None, name=None):
@@ -157,32 +127,18 @@ def collective_gather(x, dest=0, group=None, *, timeout=None, name=None):
     """
     x, what = _prepare(x, "collective_gather", name)
     call = _collective.resolve(group, timeout, name)
-    dest_index = _member_index(call, dest, "dest", what)
-    if call.trivial:
-        return tf.identity(x)
-    is_dest = call.member and call.index == dest_index
+    dest_index = _checks.member_index(call.group, dest, "dest", what)
 
-    @tf.custom_gradient
-    def fn(x):
-        def forward():
-            gathered = _gather(x, call)
-            return gathered if is_dest else tf.zeros_like(gathered)
+    def forward(x):
+        gathered = D.all_gather(x, call)
+        return gathered if call.index == dest_index else tf.zeros_like(gathered)
 
-        y = _collective.run(forward if call.member else lambda: x)
+    def backward(dy, x, y):
+        k = tf.shape(x)[0]
+        full = D.broadcast(dy, call, dest_index)
+        return full[call.index * k : (call.index + 1) * k]
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-
-            def backward():
-                k = tf.shape(x)[0]
-                full = _broadcast(dy, call, dest_index)
-                return full[call.index * k : (call.index + 1) * k]
-
-            return _collective.run(backward if call.member else lambda: dy)
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 def collective_scatter(x, src=0, group=None, *, timeout=None, name=None):
@@ -211,33 +167,19 @@ def collective_scatter(x, src=0, group=None, *, timeout=None, name=None):
     """
     x, what = _prepare(x, "collective_scatter", name)
     call = _collective.resolve(group, timeout, name)
-    src_index = _member_index(call, src, "src", what)
-    _check_divisible(x, 0, call.size, what, "CollectiveScatter")
-    if call.trivial:
-        return tf.identity(x)
+    src_index = _checks.member_index(call.group, src, "src", what)
+    _checks.check_divisible(x.shape, 0, call.size, what)
     n = call.size
-    is_src = call.member and call.index == src_index
 
-    @tf.custom_gradient
-    def fn(x):
-        def forward():
-            shape = tf.shape(x)
-            chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
-            if not is_src:
-                chunks = tf.zeros_like(chunks)
-            return _collective.all_to_all(chunks, call)[src_index]
+    def forward(x):
+        shape = tf.shape(x)
+        chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
+        if call.index != src_index:
+            chunks = tf.zeros_like(chunks)
+        return D.all_to_all(chunks, call)[src_index]
 
-        y = _collective.run(forward if call.member else lambda: x)
+    def backward(dy, x, y):
+        gathered = D.all_gather(dy, call)
+        return gathered if call.index == src_index else tf.zeros_like(gathered)
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-
-            def backward():
-                gathered = _gather(dy, call)
-                return gathered if is_src else tf.zeros_like(gathered)
-
-            return _collective.run(backward if call.member else lambda: dy)
-
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)

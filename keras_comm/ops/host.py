@@ -22,14 +22,10 @@ Honest limits:
 import tensorflow as tf
 
 from keras_comm import topology
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
+from keras_comm.ops import _differentiable as D
 from keras_comm.ops.reduce_op import ReduceOp
-
-_CAST_TO_FLOAT32 = (tf.bfloat16,)
-
-
-def _what(fn_name, name):
-    return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
 
 
 def host_device(device):
@@ -54,28 +50,13 @@ def _host_call(call):
     return _collective.Call(replica, call.group, call.timeout, call.name)
 
 
-def _on_host(fn, x, call):
-    """Runs the primitive `fn(x, host_call)` on the host; result on the replica."""
+def _on_host(primitive, x, call):
+    """Runs ``primitive(x, host_call)`` on the host; the result on the replica."""
     host = _host_call(call)
-    cast = x.dtype in _CAST_TO_FLOAT32
     with tf.device(host.device):
-        y = fn(tf.cast(x, tf.float32) if cast else tf.identity(x), host)
+        y = primitive(tf.identity(x), host)
     with tf.device(call.device):
-        return tf.cast(y, x.dtype) if cast else tf.identity(y)
-
-
-def _gather(x, call):
-    return _on_host(_collective.all_gather, x, call)
-
-
-def _scatter(x, call, what):
-    n = call.size
-    if x.shape.rank == 0 or (x.shape[0] is not None and x.shape[0] % n):
-        raise ValueError(
-            f"{what}: axis 0 of `x` must be divisible by the group size {n}. "
-            f"Received: x.shape={tuple(x.shape)}"
-        )
-    return _on_host(_collective.reduce_scatter, x, call)
+        return tf.identity(y)
 
 
 def host_all_gather(x, group=None, *, timeout=None, name=None):
@@ -93,24 +74,20 @@ def host_all_gather(x, group=None, *, timeout=None, name=None):
         timeout: seconds before DeadlineExceeded.
         name: op name (the layer's name).
     """
-    what = _what("host_all_gather", name)
+    what = _checks.what("host_all_gather", name)
     x = tf.convert_to_tensor(x)
     if x.shape.rank == 0:
         raise ValueError(f"{what}: `x` must have rank >= 1. Received: x.shape=()")
     call = _collective.resolve(group, timeout, name)
-    if call.trivial:
-        return tf.identity(x)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: _gather(x, call) if call.member else tf.identity(x))
+    def forward(x):
+        return _on_host(D.all_gather, x, call)
 
-        def grad(dy):
-            return _collective.run(lambda: _scatter(dy, call, what) if call.member else dy)
+    def backward(dy, x, y):
+        _checks.check_divisible(dy.shape, 0, call.size, what, arg="dy")
+        return _on_host(D.reduce_scatter, dy, call)
 
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 def host_reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
@@ -130,33 +107,24 @@ def host_reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
         timeout: seconds before DeadlineExceeded.
         name: op name (the layer's name).
     """
-    what = _what("host_reduce_scatter", name)
+    what = _checks.what("host_reduce_scatter", name)
     op = ReduceOp.from_value(op)
     if op is not ReduceOp.SUM:
         raise ValueError(
-            f"{what}: only op='sum' has a backward (as in the reference). "
-            f"Received: op={op.value!r}"
+            f"{what}: only op='sum' has a backward. Received: op={op.value!r}"
         )
     x = tf.convert_to_tensor(x)
     call = _collective.resolve(group, timeout, name)
-    if call.trivial:
-        return tf.identity(x)
-    if x.shape.rank == 0 or (x.shape[0] is not None and x.shape[0] % call.size):
-        raise ValueError(
-            f"{what}: axis 0 of `x` must be divisible by the group size "
-            f"{call.size}. Received: x.shape={tuple(x.shape)}"
-        )
+    if not call.trivial:
+        _checks.check_divisible(x.shape, 0, call.size, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: _scatter(x, call, what) if call.member else tf.identity(x))
+    def forward(x):
+        return _on_host(D.reduce_scatter, x, call)
 
-        def grad(dy):
-            return _collective.run(lambda: _gather(dy, call) if call.member else dy)
+    def backward(dy, x, y):
+        return _on_host(D.all_gather, dy, call)
 
-        return y, grad
-
-    return fn(x)
+    return D.collective(x, call, forward, backward)
 
 
 __all__ = ["host_all_gather", "host_reduce_scatter"]
