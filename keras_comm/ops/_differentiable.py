@@ -50,6 +50,16 @@ def check_float(x, what):
         )
 
 
+def check_accumulator(accumulator, shape, what):
+    """Raises ValueError unless `accumulator`'s shape is compatible with `shape`."""
+    acc_shape = tf.TensorShape(accumulator.shape)
+    if not acc_shape.is_compatible_with(shape):
+        raise ValueError(
+            f"{what}: the accumulator must have the gradient's shape {shape}. "
+            f"Received: accumulator.shape={acc_shape}"
+        )
+
+
 def carried_dtype(dtype, kind):
     """The dtype a `dtype` tensor travels in through primitive `kind`."""
     return tf.float32 if dtype in _CARRIED_AS_FLOAT32.get(kind, ()) else dtype
@@ -121,6 +131,30 @@ def with_gradient(x, forward, backward):
     return fn(*x) if several else fn(x)
 
 
+def everywhere(x, forward, backward):
+    """``forward(x)`` with backward ``backward(dy, x, y)``, both on every replica.
+
+    For exchanges whose plan gives each replica its own share of transfers
+    (possibly none), so there is no membership test and no group-of-one
+    fast path; both directions still run inside `_collective.run`.
+    """
+    return with_gradient(
+        x,
+        lambda x: _collective.run(lambda: forward(x)),
+        lambda dy, x, y: _collective.run(lambda: backward(dy, x, y)),
+    )
+
+
+def on_members(call, fn, value, active=None):
+    """``fn(value)`` on active replicas (default: group members), `value` elsewhere.
+
+    Inside `_collective.run`, so every replica reaches the same point (SPMD).
+    For a communication in the middle of a backward rule.
+    """
+    active = call.member if active is None else active
+    return _collective.run(lambda: fn(value) if active else value)
+
+
 def collective(x, call, forward, backward, *, active=None, sparse_grad=False):
     """The differentiable collective ``forward(x)`` with backward ``backward(dy, x, y)``.
 
@@ -139,18 +173,17 @@ def collective(x, call, forward, backward, *, active=None, sparse_grad=False):
     """
     if call.trivial:
         return tf.identity(x)
-    active = call.member if active is None else active
 
     def forward_all(x):
         if forward is None:
             return tf.identity(x)
-        return _collective.run(lambda: forward(x) if active else x)
+        return on_members(call, forward, x, active)
 
     def backward_all(dy, x, y):
         if not (sparse_grad and isinstance(dy, tf.IndexedSlices)):
             dy = tf.convert_to_tensor(dy)
         if backward is None:
             return dy
-        return _collective.run(lambda: backward(dy, x, y) if active else dy)
+        return on_members(call, lambda dy: backward(dy, x, y), dy, active)
 
     return with_gradient(x, forward_all, backward_all)

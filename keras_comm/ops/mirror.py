@@ -28,43 +28,11 @@ mixed_float16 policy); gradients are cast in and out.
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
+from keras_comm.ops import _differentiable as D
 from keras_comm.ops import _fusion
 from keras_comm.ops.all_reduce import all_gather_indexed_slices
-
-# all_to_all_v2 / all_gather_v2 reject some half types on CPU; float32 holds
-# every float16 and bfloat16 value exactly, so the cast is lossless.
-_WIDEN = (tf.float16, tf.bfloat16)
-_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-
-
-def _what(fn_name, name):
-    return f"keras_comm.ops.{fn_name} (layer {name!r})" if name else f"keras_comm.ops.{fn_name}"
-
-
-def _check_float(x, what):
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{what} carries gradients and needs a floating dtype "
-            f"({', '.join(d.name for d in _FLOAT_DTYPES)}). Received: x.dtype={x.dtype.name}"
-        )
-
-
-def _check_mean_flag(mean_flag):
-    if not isinstance(mean_flag, bool):
-        raise TypeError(f"`mean_flag` must be a bool. Received: mean_flag={mean_flag!r}")
-
-
-def _check_steps(accumulation_steps):
-    if (
-        isinstance(accumulation_steps, bool)
-        or not isinstance(accumulation_steps, int)
-        or accumulation_steps < 1
-    ):
-        raise ValueError(
-            "`accumulation_steps` must be an int >= 1. "
-            f"Received: accumulation_steps={accumulation_steps!r}"
-        )
 
 
 def _scale(x, mean_flag, call):
@@ -73,44 +41,9 @@ def _scale(x, mean_flag, call):
     return x
 
 
-def _all_reduce_sum(x, call, fusion=0):
-    return _collective.all_reduce(x, call, "sum", fusion)
-
-
-def _all_gather(x, call):
-    if x.dtype in _WIDEN:
-        return tf.cast(_collective.all_gather(tf.cast(x, tf.float32), call), x.dtype)
-    return _collective.all_gather(x, call)
-
-
-def _reduce_scatter(x, call):
-    if x.dtype in _WIDEN:
-        return tf.cast(_collective.reduce_scatter(tf.cast(x, tf.float32), call), x.dtype)
-    return _collective.reduce_scatter(x, call)
-
-
-def _check_divisible(shape, n, what, arg="x"):
-    """Raises if the leading dim (when static) is not a multiple of `n`."""
-    if shape.rank == 0:
-        raise ValueError(f"{what} needs a tensor of rank >= 1. Received: {arg}.shape={shape}")
-    if shape.rank is not None and shape[0] is not None and shape[0] % n:
-        raise ValueError(
-            f"{what}: the first dimension must be divisible by the group size "
-            f"{n}. Received: {arg}.shape={shape}"
-        )
-
-
-def _check_accumulator(accumulator, shape, what):
-    acc_shape = tf.TensorShape(accumulator.shape)
-    if not acc_shape.is_compatible_with(shape):
-        raise ValueError(
-            f"{what}: the accumulator must have the gradient's shape {shape}. "
-            f"Received: accumulator.shape={acc_shape}"
-        )
-
-
-def _dense(dy):
-    return tf.convert_to_tensor(dy)
+def _reduced(total, mean_flag, call, fusion=0):
+    """The SUM of `total` over the group, scaled by 1/size if `mean_flag`."""
+    return _scale(D.all_reduce(total, call, "sum", fusion), mean_flag, call)
 
 
 def _add_into(accumulator, dy):
@@ -187,34 +120,19 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
             `fusion`.
         ValueError: a group outside the world or a negative `fusion`.
     """
-    _check_mean_flag(mean_flag)
+    _checks.check_bool(mean_flag, "mean_flag")
     fusion = _fusion.validate_fusion(fusion)
     x = tf.convert_to_tensor(x)
-    _check_float(x, _what("mirror_operator", name))
+    D.check_float(x, _checks.what("mirror_operator", name))
     call = _collective.resolve(group, timeout, name)
-    if call.trivial:
-        return tf.identity(x)
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            if isinstance(dy, tf.IndexedSlices):
+    def backward(dy, x, y):
+        if isinstance(dy, tf.IndexedSlices):
+            g = all_gather_indexed_slices(dy, call)
+            return tf.IndexedSlices(_scale(g.values, mean_flag, call), g.indices, g.dense_shape)
+        return _reduced(dy, mean_flag, call, fusion)
 
-                def sparse():
-                    g = all_gather_indexed_slices(dy, call)
-                    return tf.IndexedSlices(_scale(g.values, mean_flag, call), g.indices, g.dense_shape)
-
-                return _collective.run(lambda: sparse() if call.member else dy)
-            dy = _dense(dy)
-            return _collective.run(
-                lambda: _scale(_all_reduce_sum(dy, call, fusion), mean_flag, call)
-                if call.member
-                else dy
-            )
-
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.collective(x, call, None, backward, sparse_grad=True)
 
 
 # ---------------------------------------------------------------------------
@@ -271,36 +189,28 @@ def mirror_mini_step_operator(
     Returns:
         `x`, unchanged.
     """
-    _check_mean_flag(mean_flag)
-    _check_steps(accumulation_steps)
-    what = _what("mirror_mini_step_operator", name)
+    _checks.check_bool(mean_flag, "mean_flag")
+    _checks.check_positive_int(accumulation_steps, "accumulation_steps")
+    what = _checks.what("mirror_mini_step_operator", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
-    _check_accumulator(accumulator, x.shape, what)
+    D.check_float(x, what)
+    D.check_accumulator(accumulator, x.shape, what)
     call = _collective.resolve(group, timeout, name)
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            dy = _dense(dy)
-            with tf.control_dependencies([_add_into(accumulator, dy)]):
-                update = _counts_step(step, accumulation_steps)
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        with tf.control_dependencies([_add_into(accumulator, dy)]):
+            update = _counts_step(step, accumulation_steps)
 
-            def release():
-                total = _take(accumulator, dy.dtype)
-                if call.trivial:
-                    return total
-                return _collective.run(
-                    lambda: _scale(_all_reduce_sum(total, call), mean_flag, call)
-                    if call.member
-                    else total
-                )
+        def release():
+            total = _take(accumulator, dy.dtype)
+            if call.trivial:
+                return total
+            return D.on_members(call, lambda t: _reduced(t, mean_flag, call), total)
 
-            return _branch(update, release, lambda: tf.zeros_like(dy))
+        return _branch(update, release, lambda: tf.zeros_like(dy))
 
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.with_gradient(x, tf.identity, backward)
 
 
 # ---------------------------------------------------------------------------
@@ -355,35 +265,24 @@ def mirror_micro_step_operator(
     Returns:
         `x`, unchanged.
     """
-    _check_mean_flag(mean_flag)
-    if not isinstance(optimizer_shard, bool):
-        raise TypeError(
-            f"`optimizer_shard` must be a bool. Received: optimizer_shard={optimizer_shard!r}"
-        )
-    what = _what("mirror_micro_step_operator", name)
+    _checks.check_bool(mean_flag, "mean_flag")
+    _checks.check_bool(optimizer_shard, "optimizer_shard")
+    what = _checks.what("mirror_micro_step_operator", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
-    _check_accumulator(accumulator, x.shape, what)
+    D.check_float(x, what)
+    D.check_accumulator(accumulator, x.shape, what)
     call = _collective.resolve(group, timeout, name)
     reduce = not optimizer_shard and not call.trivial
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            dy = _dense(dy)
-            with tf.control_dependencies([_add_into(accumulator, dy)]):
-                total = _take(accumulator, dy.dtype)
-            if not reduce:
-                return total
-            return _collective.run(
-                lambda: _scale(_all_reduce_sum(total, call), mean_flag, call)
-                if call.member
-                else total
-            )
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        with tf.control_dependencies([_add_into(accumulator, dy)]):
+            total = _take(accumulator, dy.dtype)
+        if not reduce:
+            return total
+        return D.on_members(call, lambda t: _reduced(t, mean_flag, call), total)
 
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.with_gradient(x, tf.identity, backward)
 
 
 # ---------------------------------------------------------------------------
@@ -392,7 +291,9 @@ def mirror_micro_step_operator(
 
 
 def _gather_forward(x, call):
-    y = _collective.run(lambda: _all_gather(x, call) if call.member else tf.identity(x))
+    if call.trivial:
+        return tf.identity(x)
+    y = D.on_members(call, lambda x: D.all_gather(x, call), x)
     if call.member and x.shape.rank is not None:
         # The collective loses the static leading dimension; restore it.
         lead = None if x.shape[0] is None else x.shape[0] * call.size
@@ -403,12 +304,12 @@ def _gather_forward(x, call):
 def _check_gathered_accumulator(accumulator, x, call, what):
     # The accumulator holds the gradient of the gathered output, so it has
     # group-size times x's rows; non-members never touch it.
-    _check_divisible(x.shape, 1, what)
+    _checks.check_divisible(x.shape, 0, 1, what)
     if call.member:
         full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
             x.shape[1:]
         )
-        _check_accumulator(accumulator, full, what)
+        D.check_accumulator(accumulator, full, what)
 
 
 def _scatter_total(total, mean_flag, call):
@@ -416,7 +317,7 @@ def _scatter_total(total, mean_flag, call):
     # the reduce-scatter SUM (the whole total in a group of one).
     if call.trivial:
         return _scale(total, mean_flag, call)
-    return _collective.run(lambda: _scale(_reduce_scatter(total, call), mean_flag, call))
+    return _collective.run(lambda: _scale(D.reduce_scatter(total, call), mean_flag, call))
 
 
 def mini_step_all_gather(
@@ -464,37 +365,29 @@ def mini_step_all_gather(
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _check_mean_flag(mean_flag)
-    _check_steps(accumulation_steps)
-    what = _what("mini_step_all_gather", name)
+    _checks.check_bool(mean_flag, "mean_flag")
+    _checks.check_positive_int(accumulation_steps, "accumulation_steps")
+    what = _checks.what("mini_step_all_gather", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
+    D.check_float(x, what)
     call = _collective.resolve(group, timeout, name)
     _check_gathered_accumulator(accumulator, x, call, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = x if call.trivial else _gather_forward(x, call)
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        if not call.member:
+            # Same program points as the members: counter, branch, run.
+            update = _counts_step(step, accumulation_steps)
+            return _branch(update, lambda: _collective.run(lambda: dy), lambda: dy)
+        with tf.control_dependencies([_add_into(accumulator, dy)]):
+            update = _counts_step(step, accumulation_steps)
 
-        def grad(dy):
-            dy = _dense(dy)
-            if not call.member:
-                # Same program points as the members: counter, branch, run.
-                update = _counts_step(step, accumulation_steps)
-                return _branch(
-                    update, lambda: _collective.run(lambda: dy), lambda: dy
-                )
-            with tf.control_dependencies([_add_into(accumulator, dy)]):
-                update = _counts_step(step, accumulation_steps)
+        def release():
+            return _scatter_total(_take(accumulator, dy.dtype), mean_flag, call)
 
-            def release():
-                return _scatter_total(_take(accumulator, dy.dtype), mean_flag, call)
+        return _branch(update, release, lambda: tf.zeros_like(x))
 
-            return _branch(update, release, lambda: tf.zeros_like(x))
-
-        return tf.identity(y), grad
-
-    return fn(x)
+    return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)
 
 
 def micro_step_all_gather(
@@ -525,25 +418,19 @@ def micro_step_all_gather(
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _check_mean_flag(mean_flag)
-    what = _what("micro_step_all_gather", name)
+    _checks.check_bool(mean_flag, "mean_flag")
+    what = _checks.what("micro_step_all_gather", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
+    D.check_float(x, what)
     call = _collective.resolve(group, timeout, name)
     _check_gathered_accumulator(accumulator, x, call, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        y = x if call.trivial else _gather_forward(x, call)
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        if not call.member:
+            return _collective.run(lambda: dy)
+        with tf.control_dependencies([_add_into(accumulator, dy)]):
+            total = _take(accumulator, dy.dtype)
+        return _scatter_total(total, mean_flag, call)
 
-        def grad(dy):
-            dy = _dense(dy)
-            if not call.member:
-                return _collective.run(lambda: dy)
-            with tf.control_dependencies([_add_into(accumulator, dy)]):
-                total = _take(accumulator, dy.dtype)
-            return _scatter_total(total, mean_flag, call)
-
-        return tf.identity(y), grad
-
-    return fn(x)
+    return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)

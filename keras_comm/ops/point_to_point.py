@@ -40,46 +40,18 @@ import threading
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
+from keras_comm.ops import _differentiable as D
 
 # Tags < 0 are reserved for keras_comm's own exchanges (user tags are >= 0),
 # so their pair keys, and hence instance-key counters, never mix with users'.
 NEIGHBOR_TAG = -1
 NEIGHBOR_V2_TAG = -2
 
-# The broadcast kernels reject these; they travel as float32 (exact).
-_CAST_TO_FLOAT32 = (tf.bfloat16,)
-
-
-def _what(fn_name, name):
-    if name:
-        return f"keras_comm.ops.{fn_name} (layer {name!r})"
-    return f"keras_comm.ops.{fn_name}"
-
-
-# ---------------------------------------------------------------------------
-# Argument validation (shared with the layers).
-# ---------------------------------------------------------------------------
-
-
-def validate_rank(value, name):
-    """Returns `value` if it is an int >= 0, else raises naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int global rank. Received: {name}={value!r}")
-    if value < 0:
-        raise ValueError(f"`{name}` must be a global rank >= 0. Received: {name}={value!r}")
-    return int(value)
-
-
-def validate_tag(tag, name="tag"):
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise TypeError(f"`{name}` must be an int >= 0. Received: {name}={tag!r}")
-    if tag < 0:
-        raise ValueError(
-            f"`{name}` must be >= 0 (negative tags are reserved for keras_comm's "
-            f"exchanges). Received: {name}={tag!r}"
-        )
-    return int(tag)
+# Shared with the layers.
+validate_rank = _checks.check_rank
+validate_tag = _checks.check_tag
 
 
 def routes(peer, active, peer_name, active_name, role):
@@ -211,16 +183,10 @@ class _DeviceQueue:
         return future
 
 
-def _cast_in(x):
-    return tf.cast(x, tf.float32) if x.dtype in _CAST_TO_FLOAT32 else x
-
-
 def _one(call, t):
     if t.kind == "send":
-        return _collective.send(_cast_in(t.value), call, t.peer, t.tag)
-    dtype = tf.float32 if t.dtype in _CAST_TO_FLOAT32 else t.dtype
-    out = _collective.recv(t.shape, dtype, call, t.peer, t.tag)
-    return tf.cast(out, t.dtype) if dtype != t.dtype else out
+        return D.send(t.value, call, t.peer, t.tag)
+    return D.recv(t.shape, t.dtype, call, t.peer, t.tag)
 
 
 def _run_transfers(call, transfers):
@@ -266,27 +232,8 @@ def _p2p_call(route_map, peer, peer_name, fn_name, timeout, name):
     world = call.replica.world_size
     if world == 1:
         return None, None
-    route_map = _resolve_routes(route_map, peer, world, _what(fn_name, name), peer_name)
+    route_map = _resolve_routes(route_map, peer, world, _checks.what(fn_name, name), peer_name)
     return call, route_map.get(call.replica.rank)
-
-
-def _between_peers(x, call, peer, forward, backward):
-    """`forward(x)` with backward `backward(dy, x)` where this rank has a peer.
-
-    Ranks without a peer return `x` and pass dy through; every rank runs
-    the same collective program points.
-    """
-
-    @tf.custom_gradient
-    def fn(x):
-        y = _collective.run(lambda: tf.identity(x) if peer is None else forward(x))
-
-        def grad(dy):
-            return _collective.run(lambda: dy if peer is None else backward(dy, x))
-
-        return y, grad
-
-    return fn(x)
 
 
 def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
@@ -330,11 +277,11 @@ def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
         (out,) = _run_transfers(call, [_Transfer("send", peer, tag, x, None, None)])
         return out
 
-    def backward(dy, x):
+    def backward(dy, x, y):
         (g,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
         return dy + g
 
-    return _between_peers(x, call, peer, forward, backward)
+    return D.collective(x, call, forward, backward, active=peer is not None)
 
 
 def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
@@ -374,11 +321,11 @@ def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
         (out,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
         return out
 
-    def backward(dy, x):
+    def backward(dy, x, y):
         (sent,) = _run_transfers(call, [_Transfer("send", peer, tag, dy, None, None)])
         return _after(tf.zeros_like(x), [sent])
 
-    return _between_peers(x, call, peer, forward, backward)
+    return D.collective(x, call, forward, backward, active=peer is not None)
 
 
 __all__ = ["receive", "send"]

@@ -17,12 +17,9 @@ Accumulators are caller-owned per-replica variables
 
 import tensorflow as tf
 
+from keras_comm.ops import _checks
 from keras_comm.ops import _collective
-from keras_comm.ops.mirror import _check_accumulator
-from keras_comm.ops.mirror import _check_divisible
-from keras_comm.ops.mirror import _check_float
-from keras_comm.ops.mirror import _reduce_scatter
-from keras_comm.ops.mirror import _what
+from keras_comm.ops import _differentiable as D
 
 _GET_TENSOR_SLICE_BACKWARDS = ("zeros", "exact")
 
@@ -53,34 +50,30 @@ def virtual_assign_add(x, accumulator, group=None, *, timeout=None, name=None):
     Returns:
         `x`, unchanged.
     """
-    what = _what("virtual_assign_add", name)
+    what = _checks.what("virtual_assign_add", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
+    D.check_float(x, what)
     call = None if group is None else _collective.resolve(group, timeout, name)
     scatter = call is not None and not call.trivial
     if scatter and call.member:
-        _check_divisible(x.shape, call.size, what)
+        _checks.check_divisible(x.shape, 0, call.size, what)
         shard = x.shape
         if shard.rank is not None and shard[0] is not None:
             shard = tf.TensorShape([shard[0] // call.size]).concatenate(shard[1:])
-        _check_accumulator(accumulator, shard, what)
+        D.check_accumulator(accumulator, shard, what)
     else:
-        _check_accumulator(accumulator, x.shape, what)
+        D.check_accumulator(accumulator, x.shape, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            if scatter:
-                dy = _collective.run(lambda: _reduce_scatter(dy, call) if call.member else dy)
-            with tf.control_dependencies(
-                [accumulator.assign_add(tf.cast(dy, accumulator.dtype), read_value=False)]
-            ):
-                return tf.zeros_like(x)
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        if scatter:
+            dy = D.on_members(call, lambda dy: D.reduce_scatter(dy, call), dy)
+        with tf.control_dependencies(
+            [accumulator.assign_add(tf.cast(dy, accumulator.dtype), read_value=False)]
+        ):
+            return tf.zeros_like(x)
 
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.with_gradient(x, tf.identity, backward)
 
 
 def _read_after(accumulator, dy, dtype):
@@ -108,19 +101,15 @@ def virtual_accu_grad(x, accumulator, *, name=None):
     Returns:
         `x`, unchanged.
     """
-    what = _what("virtual_accu_grad", name)
+    what = _checks.what("virtual_accu_grad", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
-    _check_accumulator(accumulator, x.shape, what)
+    D.check_float(x, what)
+    D.check_accumulator(accumulator, x.shape, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            return _read_after(accumulator, tf.convert_to_tensor(dy), x.dtype)
+    def backward(dy, x, y):
+        return _read_after(accumulator, tf.convert_to_tensor(dy), x.dtype)
 
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.with_gradient(x, tf.identity, backward)
 
 
 def virtual_add(x, accumulator, *, name=None):
@@ -140,20 +129,16 @@ def virtual_add(x, accumulator, *, name=None):
     Returns:
         `x`, unchanged.
     """
-    what = _what("virtual_add", name)
+    what = _checks.what("virtual_add", name)
     x = tf.convert_to_tensor(x)
-    _check_float(x, what)
-    _check_accumulator(accumulator, x.shape, what)
+    D.check_float(x, what)
+    D.check_accumulator(accumulator, x.shape, what)
 
-    @tf.custom_gradient
-    def fn(x):
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            return dy + _read_after(accumulator, dy, dy.dtype)
+    def backward(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        return dy + _read_after(accumulator, dy, dy.dtype)
 
-        return tf.identity(x), grad
-
-    return fn(x)
+    return D.with_gradient(x, tf.identity, backward)
 
 
 def _check_divisor(divisor):
@@ -192,18 +177,14 @@ def virtual_div(x, divisor):
         if not t.dtype.is_floating and not t.dtype.is_complex:
             return tf.identity(t)
 
-        @tf.custom_gradient
-        def fn(t):
-            def grad(dy):
-                if isinstance(dy, tf.IndexedSlices):
-                    return tf.IndexedSlices(
-                        dy.values / tf.constant(divisor, dy.values.dtype), dy.indices, dy.dense_shape
-                    )
-                return dy / tf.constant(divisor, dy.dtype)
+        def backward(dy, t, y):
+            if isinstance(dy, tf.IndexedSlices):
+                return tf.IndexedSlices(
+                    dy.values / tf.constant(divisor, dy.values.dtype), dy.indices, dy.dense_shape
+                )
+            return dy / tf.constant(divisor, dy.dtype)
 
-            return tf.identity(t), grad
-
-        return fn(t)
+        return D.with_gradient(t, tf.identity, backward)
 
     return tf.nest.pack_sequence_as(x, [one(t) for t in flat])
 
@@ -243,12 +224,8 @@ def get_tensor_slice(
         ValueError: bad `axis`, `num_slices`, `backward`, or a dimension not
             divisible by `num_slices`.
     """
-    what = _what("get_tensor_slice", name)
-    if backward not in _GET_TENSOR_SLICE_BACKWARDS:
-        raise ValueError(
-            f"`backward` must be one of {_GET_TENSOR_SLICE_BACKWARDS}. "
-            f"Received: backward={backward!r}"
-        )
+    what = _checks.what("get_tensor_slice", name)
+    zeros_grad = _checks.check_choice(backward, "backward", _GET_TENSOR_SLICE_BACKWARDS) == "zeros"
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
     if isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < rank:
@@ -267,38 +244,32 @@ def get_tensor_slice(
             f"{what}: dimension {axis} ({dim}) must be divisible by the number of "
             f"slices {n}. Received: x.shape={x.shape}"
         )
-    if not call.member:
-        index = None
-    else:
-        index = call.index % n
+    index = call.index % n if call.member else None
 
-    @tf.custom_gradient
-    def fn(x):
+    def forward(x):
         if index is None:
-            y = tf.identity(x)
-        else:
-            d = tf.shape(x)[axis]
-            size = d // n
-            begin = tf.one_hot(axis, rank, on_value=index * size, off_value=0, dtype=tf.int32)
-            sizes = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [size])
-            y = tf.slice(x, begin, sizes)
-            static = x.shape.as_list()
-            static[axis] = None if dim is None else dim // n
-            y.set_shape(static)
+            return tf.identity(x)
+        d = tf.shape(x)[axis]
+        size = d // n
+        begin = tf.one_hot(axis, rank, on_value=index * size, off_value=0, dtype=tf.int32)
+        sizes = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [size])
+        y = tf.slice(x, begin, sizes)
+        static = x.shape.as_list()
+        static[axis] = None if dim is None else dim // n
+        y.set_shape(static)
+        return y
 
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            if backward == "zeros":
-                return tf.zeros_like(x)
-            if index is None:
-                return dy
-            d = tf.shape(x)[axis]
-            size = d // n
-            pads = tf.one_hot(axis, rank, on_value=1, off_value=0, dtype=tf.int32)[:, None] * tf.stack(
-                [index * size, d - (index + 1) * size]
-            )[None, :]
-            return tf.pad(dy, pads)
+    def grad(dy, x, y):
+        dy = tf.convert_to_tensor(dy)
+        if zeros_grad:
+            return tf.zeros_like(x)
+        if index is None:
+            return dy
+        d = tf.shape(x)[axis]
+        size = d // n
+        pads = tf.one_hot(axis, rank, on_value=1, off_value=0, dtype=tf.int32)[:, None] * tf.stack(
+            [index * size, d - (index + 1) * size]
+        )[None, :]
+        return tf.pad(dy, pads)
 
-        return y, grad
-
-    return fn(x)
+    return D.with_gradient(x, forward, grad)
