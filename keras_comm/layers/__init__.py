@@ -16,6 +16,7 @@ from keras_comm.layers.mirror import MiniStepAllGather
 from keras_comm.layers.mirror import MirrorMicroStepOperator
 from keras_comm.layers.mirror import MirrorMiniStepOperator
 from keras_comm.layers.mirror import MirrorOperator
+from keras_comm.layers.neighbor import HaloExchange
 from keras_comm.layers.neighbor import NeighborExchange
 from keras_comm.layers.neighbor import NeighborExchangeV2
 from keras_comm.layers.point_to_point import Receive
@@ -35,6 +36,7 @@ __all__ = [
     "CollectiveGather",
     "CollectiveScatter",
     "GetTensorSlice",
+    "HaloExchange",
     "HostAllGather",
     "HostReduceScatter",
     "MicroStepAllGather",

@@ -1,4 +1,8 @@
-"""`NeighborExchange` and `NeighborExchangeV2` (2-D halo exchange) layers."""
+"""`NeighborExchange` and `HaloExchange` (2-D halo exchange) layers.
+
+`NeighborExchangeV2` is `HaloExchange` under its MindSpore name; configs saved
+under that name load as `HaloExchange`.
+"""
 
 import keras
 
@@ -93,19 +97,22 @@ class NeighborExchange(CollectiveLayer):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class NeighborExchangeV2(CollectiveLayer):
-    """Halo exchange of an image split over a 2-D grid of ranks (8 directions).
+class HaloExchange(CollectiveLayer):
+    """Pads an image tile with its neighbours' border strips (8 directions).
 
-    Directions are [top,
-    top_right, right, bottom_right, bottom, bottom_left, left, top_left],
-    lens are [top, bottom, left, right]; the rank tables have one row of 8
-    ranks (-1 = none) per group member (SPMD). `keras_comm.ops.halo_rank_ids`
-    builds them for a row-major grid.
+    The image is split over a 2-D grid of ranks, one tile per rank.
+    Directions are [top, top_right, right, bottom_right, bottom,
+    bottom_left, left, top_left]; lens are [top, bottom, left, right]; the
+    rank tables have one row of 8 ranks (-1 = none) per group member (every
+    rank runs the same model). `keras_comm.ops.halo_rank_ids` builds them for
+    a row-major grid. MindSpore: NeighborExchangeV2 (also importable under
+    that name).
 
     Forward: the tile padded by `recv_lens` on every side, the halos filled
     with the neighbours' border strips; zeros where a neighbour is missing,
     so every rank's output has one shape. Backward: halo gradients are sent
-    back and added into the border strips they came from.
+    back and added into the border strips they came from (exact adjoint).
+    See `keras_comm.ops.halo_exchange`.
 
     Args:
         send_rank_ids, recv_rank_ids: one row of 8 ranks per member.
@@ -121,7 +128,7 @@ class NeighborExchangeV2(CollectiveLayer):
     def __init__(self, send_rank_ids, send_lens, recv_rank_ids, recv_lens,
                  data_format="NCHW", group=None, timeout=None, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
-        self.data_format = neighbor_ops._validate_format(data_format)  # pylint: disable=protected-access
+        self.data_format = neighbor_ops.validate_data_format(data_format)
         _, send, send_lens, recv, recv_lens, _ = neighbor_ops.halo_plan(
             send_rank_ids, send_lens, recv_rank_ids, recv_lens, self.group
         )
@@ -131,7 +138,7 @@ class NeighborExchangeV2(CollectiveLayer):
         self.recv_lens = list(recv_lens)
 
     def call(self, inputs):
-        return neighbor_ops.neighbor_exchange_v2(
+        return neighbor_ops.halo_exchange(
             inputs, self.send_rank_ids, self.send_lens, self.recv_rank_ids, self.recv_lens,
             self.data_format, self.group, timeout=self.timeout, name=self.name,
         )
@@ -154,3 +161,8 @@ class NeighborExchangeV2(CollectiveLayer):
             data_format=self.data_format,
         )
         return config_
+
+
+# The MindSpore name. Registered too, so configs saved under it still load.
+NeighborExchangeV2 = HaloExchange
+keras.saving.get_custom_objects()["keras_comm>NeighborExchangeV2"] = HaloExchange

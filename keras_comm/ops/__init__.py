@@ -18,6 +18,7 @@ from keras_comm.ops.mirror import mini_step_all_gather
 from keras_comm.ops.mirror import mirror_micro_step_operator
 from keras_comm.ops.mirror import mirror_mini_step_operator
 from keras_comm.ops.mirror import mirror_operator
+from keras_comm.ops.neighbor import halo_exchange
 from keras_comm.ops.neighbor import halo_rank_ids
 from keras_comm.ops.neighbor import neighbor_exchange
 from keras_comm.ops.neighbor import neighbor_exchange_v2
@@ -41,6 +42,7 @@ __all__ = [
     "collective_scatter",
     "fusion_scope",
     "get_tensor_slice",
+    "halo_exchange",
     "halo_rank_ids",
     "host_all_gather",
     "host_reduce_scatter",
