@@ -1,4 +1,4 @@
-"""NeighborExchange and NeighborExchangeV2 (halo exchange)."""
+"""NeighborExchange and HaloExchange (NeighborExchangeV2)."""
 
 import os
 
@@ -113,6 +113,19 @@ class TestLayers:
         np.testing.assert_array_equal(out[1][:, 1:-1, 1:-1], 1)  # zero border
         seq = keras.Sequential([keras.Input((2, 3, 4)), halo])
         assert seq.output_shape == (None, 4, 5, 4)
+
+    def test_reference_names_are_aliases_and_old_configs_load(self):
+        assert ops.neighbor_exchange_v2 is ops.halo_exchange
+        assert L.NeighborExchangeV2 is L.HaloExchange
+        ids = ops.halo_rank_ids(1, 2)
+        layer = L.HaloExchange(ids, [1, 1, 1, 1], ids, [1, 1, 1, 1], data_format="NHWC", name="halo")
+        saved = keras.saving.serialize_keras_object(layer)
+        assert saved["class_name"] == "HaloExchange"
+        # What a file saved before the rename holds: the MindSpore class name.
+        old = dict(saved, class_name="NeighborExchangeV2", registered_name="keras_comm>NeighborExchangeV2")
+        loaded = keras.saving.deserialize_keras_object(old)
+        assert type(loaded) is L.HaloExchange
+        assert loaded.get_config() == layer.get_config()
 
     @pytest.mark.parametrize(
         "kwargs, error, text",
