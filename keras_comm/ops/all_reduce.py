@@ -85,7 +85,7 @@ def _all_reduce_dense(x, op, call, fusion=0):
 def _prod_grad(x, summed_dy, call):
     # d(prod_t x_t)/dx_r = prod_{t != r} x_t, computed as an exclusive product
     # of the gathered inputs (prefix times suffix): exact, and finite when some
-    # x are zero, where the reference's out / x is NaN. Costs one all-gather.
+    # x are zero, where out / x would be NaN. Costs one all-gather.
     gathered = D.all_gather(x[tf.newaxis], call)
     others = tf.math.cumprod(gathered, axis=0, exclusive=True) * tf.math.cumprod(
         gathered, axis=0, exclusive=True, reverse=True
@@ -139,11 +139,11 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     * SUM: ``dx = all_reduce_sum(dy)``.
     * PROD: ``dx_r = all_reduce_sum(dy) * prod_{t != r} x_t``. The product of
       the *other* members' x comes from an all-gather and an exclusive
-      product, so zeros in x give exact gradients (the reference divides
-      ``out / x``, NaN at 0). Costs one extra all-gather of x.
-    * MAX / MIN: ``dx_r = all_reduce_sum(dy) * (x_r == y)``. Convention of the
-      reference: on ties every tied member receives the full gradient (the
-      sum over tied members' gradients is then k times the subgradient).
+      product, so zeros in x give exact gradients (``out / x`` would be NaN
+      at 0). Costs one extra all-gather of x.
+    * MAX / MIN: ``dx_r = all_reduce_sum(dy) * (x_r == y)``. Convention: on
+      ties every tied member receives the full gradient (the sum over tied
+      members' gradients is then k times the subgradient).
 
     Sparse: `x` may be a ``tf.IndexedSlices`` (op SUM only). Its rows are
     all-gathered (members may hold different numbers of rows) and returned as
@@ -160,7 +160,7 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     Fusion across calls: all-reduces with the same ``fusion`` id > 0 traced
     in one `fusion_scope` (every `model.fit`/`evaluate`/`predict` step is one)
     are packed into ONE collective per (group, op, dtype) -- forward and,
-    separately, backward -- the reference's ``fusion`` attribute. An
+    separately, backward. An
     all-reduce whose input depends on an earlier member's output starts a new
     pack (it cannot travel with what it waits for). Values are identical to
     unfused calls. In eager mode, nested control flow or with call checking
@@ -171,7 +171,7 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     is the identity.
 
     Dtypes: float16, bfloat16, float32, float64, int32, int64 (int inputs are
-    forward-only).
+    forward-only). MindSpore: AllReduce (``fusion`` is its fusion attribute).
 
     Args:
         x: a tensor, a ``tf.IndexedSlices``, or a nest of them.

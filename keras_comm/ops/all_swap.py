@@ -32,8 +32,8 @@ def all_swap(x, send_sizes, recv_sizes=None, group=None, *, timeout=None, name=N
 
     Forward: ``concat_j(rows member j sent to me)``. Backward: AllSwap of dy
     with the sizes swapped (each member sends back the gradient rows of what
-    it received). Exact adjoint; same as the reference (``_AllSwap``), which
-    also gives the size inputs no gradient.
+    it received). The exact adjoint; the sizes get no gradient.
+    MindSpore: AllSwap.
 
     Implementation and bytes moved: one all-gather of the n x n size matrix
     (n int32 per member) so every member knows the largest block M and what
@@ -47,8 +47,8 @@ def all_swap(x, send_sizes, recv_sizes=None, group=None, *, timeout=None, name=N
         send_sizes: n ints (a list or a 1-D int tensor), one per member.
         recv_sizes: optional n ints, what each member sends here; if given, it
             is checked at run time against what the members actually send
-            (InvalidArgumentError on a mismatch). The reference requires it;
-            here it is derived from the gathered sizes.
+            (InvalidArgumentError on a mismatch). Without it, it is derived
+            from the gathered sizes.
         group: member ranks; None = the world. Non-members return `x`.
         timeout: seconds before DeadlineExceeded.
         name: op name (the layer's name).

@@ -50,6 +50,7 @@ def all_to_all(x, split_count, split_dim, concat_dim, group=None, *, timeout=Non
     group size.
     Backward: the same all-to-all with `split_dim` and `concat_dim`
     swapped (exact adjoint: all-to-all is a permutation of the chunks).
+    MindSpore: AlltoAll.
 
     Args:
         x: a tensor of known rank; same shape on every member.

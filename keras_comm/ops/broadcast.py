@@ -31,8 +31,8 @@ def broadcast(x, root=0, group=None, *, gradient="exact", timeout=None, name=Non
       the gradient of the global objective (the sum of every replica's
       loss), so an optimizer step on a broadcast weight is the step of
       single-process training.
-    * "identity": ``dx = dy`` on every member, the reference's (MindSpore's)
-      choice. Each member's gradient is then only its own loss's share; it
+    * "identity": ``dx = dy`` on every member (MindSpore Broadcast's rule).
+      Each member's gradient is then only its own loss's share; it
       is what you want when every member keeps its own copy of x and the
       broadcast only re-synchronizes values.
 
@@ -73,9 +73,10 @@ def reduce(x, dest=0, group=None, *, timeout=None, name=None):
     """Sums `x` over the group into member `dest`.
 
     Forward: ``y_dest = sum_r x_r``; the other members output zeros of the
-    same shape (the reference leaves them undefined; zeros make every
-    output well defined and the reference's backward the exact adjoint).
+    same shape, so every output is well defined and the backward below is
+    the exact adjoint.
     Backward: ``dx_r = dy_dest`` on every member (broadcast from `dest`).
+    MindSpore: Reduce.
 
     Implemented as an all-reduce (TF has no reduce-to-one collective).
 

@@ -28,9 +28,9 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
 
     Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` on every member.
     Backward: ``dx = reduce_scatter_sum(dy)`` (this member's slice of the sum
-    of every member's dy), times ``1/n`` if `mean_flag`. The scaling is the
-    reference's convention (for gathered parameter shards whose gradients
-    are averaged); the exact adjoint is ``mean_flag=False``.
+    of every member's dy), times ``1/n`` if `mean_flag` (for gathered
+    parameter shards whose gradients are averaged); the exact adjoint is
+    ``mean_flag=False``. MindSpore: AllGather.
 
     Every member must pass the same shape (TF's all-gather requires it; a
     mismatch fails at run time with InvalidArgument). dtypes: float16,
@@ -72,8 +72,8 @@ def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
 
     Args:
         x: a tensor whose axis 0 is divisible by the group size.
-        op: only `ReduceOp.SUM` / "sum" (the reference supports no other
-            gradient).
+        op: only `ReduceOp.SUM` / "sum" (the only reduction with a
+            gradient here). MindSpore: ReduceScatter.
         group, timeout, name: as for `all_reduce`.
 
     Returns:
@@ -107,7 +107,8 @@ def collective_gather(x, dest=0, group=None, *, timeout=None, name=None):
 
     Forward: at `dest`, ``concat([x_0, ..., x_{n-1}], axis=0)``; the other
     members output zeros of the same shape (so every member's output has one
-    shape, and the reference's backward is the exact adjoint).
+    shape, and the backward below is the exact adjoint). MindSpore:
+    CollectiveGather.
     Backward: broadcast dy from `dest`; each member keeps its own slice
     ``dy_dest[i*k:(i+1)*k]``.
 
@@ -152,6 +153,7 @@ def collective_scatter(x, src=0, group=None, *, timeout=None, name=None):
     exact adjoint.
 
     Implemented with one all-to-all (src sends slice i to member i).
+    MindSpore: CollectiveScatter.
 
     Args:
         x: a tensor whose axis 0 is divisible by the group size.

@@ -1,8 +1,8 @@
 """Host-side collectives: `host_all_gather` and `host_reduce_scatter`.
 
-The reference's ``_HostAllGather`` / ``_HostReduceScatter`` run on the host
-(CPU) instead of the accelerator, e.g. to keep large, rarely used tensors off
-the device network. Here the collective is placed on the worker's CPU,
+They run the collective on the host (CPU) instead of the accelerator, e.g.
+to keep large, rarely used tensors off the device network (MindSpore:
+_HostAllGather, _HostReduceScatter). Here the collective is placed on the worker's CPU,
 ``/job:.../task:i/device:CPU:0``, when that CPU serves exactly one replica
 (one accelerator per worker): the tensor is copied to host memory, gathered
 or reduced over the CPU ring (gRPC), and the result copied back to the
@@ -65,7 +65,7 @@ def host_all_gather(x, group=None, *, timeout=None, name=None):
     Forward: ``concat([x_0, ..., x_{n-1}], axis=0)`` (group order), computed
     on the worker's CPU (see the module notes for when it is not). Backward:
     `host_reduce_scatter` SUM of dy: the sum over members of dy, own slice.
-    Exact adjoint; as the reference. Non-members return `x` and pass their
+    The exact adjoint. Non-members return `x` and pass their
     gradient through.
 
     Args:
@@ -95,10 +95,10 @@ def host_reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
 
     Forward: ``sum_i x_i``, split in n along axis 0, member k keeps slice k;
     computed on the worker's CPU (see the module notes). Backward:
-    `host_all_gather` of dy. Exact adjoint; as the reference.
+    `host_all_gather` of dy. The exact adjoint.
 
-    Only SUM is supported: the reference accepts other ops forward but
-    raises in their backward; here the error comes at call time instead.
+    Only SUM is supported (no other reduction has a backward here); other
+    ops are rejected when the op is called.
 
     Args:
         x: same shape on every member; axis 0 divisible by the group size.

@@ -1,9 +1,8 @@
 """Local gradient norms: each parameter's gradient norm on this replica.
 
-MindSpore's ``dump_local_norm`` prints, inside the mirror operators' backward,
-the squared L2 norm of each parameter's gradient *before* it is reduced over
-the replicas. keras_comm never prints from library code: `local_norms`
-returns the values, and the caller (e.g. the ParallelOptimizer callback, or a
+The squared L2 norm of each parameter's gradient *before* it is reduced over
+the replicas (MindSpore: dump_local_norm, which prints it inside the mirror
+operators' backward). `local_norms` returns the values, and the caller (e.g. the ParallelOptimizer callback, or a
 custom train step) decides where they go (logs, metrics, TensorBoard).
 
 Under Keras, the gradients a train step gets from its tape are per-replica
@@ -32,7 +31,7 @@ def local_norms(grads_and_vars, squared=False):
             present twice counts as its sum, as the dense gradient would).
             The variable may be a Keras or TF variable (its ``path``, else
             ``name``, is the key) or a string.
-        squared: return ``sum(g**2)`` (what the reference logs) instead of
+        squared: return ``sum(g**2)`` instead of
             ``sqrt(sum(g**2))``.
 
     Returns:

@@ -7,17 +7,15 @@ The accumulation variants (``*_mini_step_*``, ``*_micro_step_*``) add the
 gradient into a per-replica accumulator variable first and communicate only
 when the accumulated gradient is released.
 
-Ported from MindSpore's ``_MirrorOperator``, ``_MirrorMiniStepOperator``,
-``_MirrorMicroStepOperator``, ``_MiniStepAllGather`` and ``_MicroStepAllGather``
-backward rules. Where MindSpore's rule relies on its training cell reading an
-accumulation buffer instead of the returned gradient, these functions return
-the gradient a Keras optimizer must see; each docstring says how.
+Every op returns the gradient a Keras optimizer applies: an op that
+accumulates owns its buffer, adds dy into it and returns what is released
+(zeros until then), so no gradient is counted twice.
 
 Gradient convention: the objective is the SUM of every replica's loss. For a
 mirrored parameter ``theta`` used on every replica, ``dL/dtheta = sum_r dy_r``:
-``mean_flag=False`` is that exact adjoint; ``mean_flag=True`` (the reference's
-default) divides it by the group size, the gradient of the MEAN of the
-replicas' losses.
+``mean_flag=False`` is that exact adjoint; ``mean_flag=True`` (the default)
+divides it by the group size, the gradient of the MEAN of the replicas'
+losses.
 
 Accumulators are variables the caller owns (the Keras layers create them):
 ``synchronization=ON_READ, aggregation=NONE`` variables created under the
@@ -92,8 +90,8 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
 
     Convention: ``mean_flag=False`` is the exact adjoint for the SUM
     objective (each copy receives ``dL/dtheta = sum_r dy_r``);
-    ``mean_flag=True``, the reference's default, is the gradient of the MEAN
-    of the replicas' losses. Ranks outside `group` get `x` back and their
+    ``mean_flag=True``, the default, is the gradient of the MEAN of the
+    replicas' losses. MindSpore: _MirrorOperator. Ranks outside `group` get `x` back and their
     gradient passes through unchanged. With a group of one this is
     ``tf.identity`` both ways (no scaling).
 
@@ -167,12 +165,9 @@ def mirror_mini_step_operator(
     So the sum of the gradients returned over one accumulation cycle is the
     mirrored gradient of the whole cycle, and an optimizer applies it once.
 
-    Differs from the reference: MindSpore's training cell adds the returned
-    gradient into its own buffer on non-update steps, so there the op
-    returns the local dy (times ``1 / dev_num`` if mean_flag); here the op
-    owns the buffer, so it returns zeros and nothing is counted twice. A
-    sparse dy is densified and accumulated (the reference returns zeros for
-    sparse gradients, unsupported there).
+    The op owns the buffer: non-update steps return zeros, so nothing is
+    counted twice. A sparse dy is densified and accumulated. MindSpore:
+    _MirrorMiniStepOperator.
 
     Replicas outside `group` accumulate and release their own (unreduced,
     unscaled) sum on the update step, as a group of one.
@@ -244,14 +239,10 @@ def mirror_micro_step_operator(
       optimizer reduce-scatters it (all-reducing here too would count the
       gradient group-size times).
 
-    Differs from the reference: MindSpore ignores dy's value (its last
-    micro-batch also went through the buffer) and writes the reduced
-    gradient back into the buffer, returning a placeholder, because its
-    optimizer reads the buffer; here dy is added (so with no other writer
-    this is `mirror_operator`) and the reduced gradient is returned, since a
-    Keras optimizer reads the gradient. In the reference the all-reduce runs
-    with optimizer sharding too, over a mirror group that excludes the
-    optimizer-shard dimension; here the sharded optimizer does that part.
+    dy itself is added, so with no other writer this is `mirror_operator`,
+    and the reduced gradient is returned (the buffer is left at zeros),
+    since a Keras optimizer reads the gradient. MindSpore:
+    _MirrorMicroStepOperator.
 
     Replicas outside `group` release ``total`` unreduced and unscaled.
 
@@ -346,10 +337,9 @@ def mini_step_all_gather(
 
     With ``accumulation_steps=1`` this is the all-gather's own backward
     (reduce-scatter of dy). Convention: ``mean_flag=False`` is the exact
-    adjoint for the SUM objective. Differs from the reference as
-    `mirror_mini_step_operator` does (zeros on non-update steps instead of
-    dy for the cell's buffer); the reference all-reduces the buffer and
-    keeps its split, the same numbers as the reduce-scatter used here.
+    adjoint for the SUM objective. As in `mirror_mini_step_operator`, the
+    op owns the buffer and non-update steps return zeros. MindSpore:
+    _MiniStepAllGather.
 
     Replicas outside `group` get `x` back and their gradient passes through
     (no accumulation).
@@ -402,10 +392,8 @@ def micro_step_all_gather(
     ``dx = reduce_scatter_sum(total)`` (this member's slice of axis 0),
     times ``1 / group_size`` if `mean_flag`.
 
-    Differs from the reference: MindSpore's ``_MicroStepAllGather`` ignores
-    dy's value (its last micro-batch also went through the buffer) and does
-    not reset the buffer (its optimizer clears it); here dy is added, so with
-    no other writer this is the all-gather's own backward.
+    dy itself is added and the buffer reset, so with no other writer this is
+    the all-gather's own backward. MindSpore: _MicroStepAllGather.
 
     Replicas outside `group` get `x` back and their gradient passes through
     (the accumulator is not used).

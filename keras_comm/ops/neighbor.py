@@ -304,7 +304,7 @@ def halo_exchange(
     return D.everywhere(x, forward, backward)
 
 
-# The reference's name (MindSpore NeighborExchangeV2).
+# The MindSpore name (NeighborExchangeV2), kept as an alias.
 neighbor_exchange_v2 = halo_exchange
 
 __all__ = ["halo_exchange", "halo_rank_ids", "neighbor_exchange", "neighbor_exchange_v2"]

@@ -30,8 +30,8 @@ posted to a per-device queue and return at once (like MPI ``isend``); the
 queue runs each device's transfers in program order, as the ordering token
 does in a compiled step.
 
-Private helpers here (`_Transfer`, `_run_transfers`) are shared with
-`neighbor` and `all_swap`.
+Private helpers here (`_Transfer`, `_run_transfers`, `_after`) are shared
+with `neighbor`.
 """
 
 import collections
@@ -244,9 +244,8 @@ def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
     sending rank receives the gradient of the destination's received tensor
     and adds it to its own upstream gradient (dx = dy + d(dest's output));
     other ranks pass dy through. This is the exact adjoint of "keep `x` and
-    deliver a copy to `dest`". The reference (MindSpore ``Send``) returns a
-    dummy and takes only the received gradient; here the output is `x`
-    itself, so if the sending rank does not use it the two agree.
+    deliver a copy to `dest`"; if the sending rank does not use the output,
+    dx is just the received gradient. MindSpore: Send.
 
     Args:
         x: the tensor to send (the same shape on the matching receiver).
@@ -290,8 +289,8 @@ def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
     Forward: on each receiving rank, returns the tensor sent by its source
     (`x` gives the shape and dtype; its values are unused); on every other
     rank returns `x`. Backward: Send reversed: a receiving rank sends dy back
-    to the source and returns zeros for `x` (its input is a dummy, as in the
-    reference); other ranks pass dy through.
+    to the source and returns zeros for `x` (its values are unused); other
+    ranks pass dy through. MindSpore: Receive.
 
     Args:
         x: the template (receiving ranks) / pass-through value (others).

@@ -6,8 +6,6 @@ than pass the gradient on: write it into an accumulation buffer
 the buffer to it (`virtual_add`), divide it (`virtual_div`), or drop it
 (`get_tensor_slice`, whose forward also slices).
 
-Ported from MindSpore's ``_VirtualAssignAdd``, ``_VirtualAccuGrad``,
-``_VirtualAdd``, ``_VirtualDiv`` and ``_GetTensorSlice`` backward rules.
 These rules implement pipeline / accumulation bookkeeping, not the adjoint
 of their identity forward; each docstring says exactly what is returned.
 
@@ -34,9 +32,9 @@ def virtual_assign_add(x, accumulator, group=None, *, timeout=None, name=None):
     ``dx = zeros``. The gradient reaches the parameter later through the
     buffer (`virtual_accu_grad`, `mirror_micro_step_operator`, ...).
 
-    Not an adjoint by design (as in the reference, which returns a zero
-    placeholder). Replicas outside `group` add dy unreduced (their
-    accumulator must then be shaped like `x`).
+    Not an adjoint by design. Replicas outside `group` add dy unreduced
+    (their accumulator must then be shaped like `x`). MindSpore:
+    _VirtualAssignAdd.
 
     Args:
         x: a floating tensor.
@@ -44,7 +42,7 @@ def virtual_assign_add(x, accumulator, group=None, *, timeout=None, name=None):
             non-member), or like `x` with ``x.shape[0] / group_size`` rows.
         group: None for no communication, a list of global ranks or a `Group`
             to reduce-scatter over. (Unlike the mirrors, None here means
-            *no* group, as in the reference.)
+            *no* group.)
         timeout, name: as in `keras_comm.ops.mirror_operator`.
 
     Returns:
@@ -91,7 +89,7 @@ def virtual_accu_grad(x, accumulator, *, name=None):
     discarded and the buffer is left as is. With `virtual_assign_add` on the
     micro-batch paths this hands the accumulated gradient to the parameter.
 
-    As the reference (``F.depend(accumulator, dout)``); not an adjoint.
+    Not an adjoint. MindSpore: _VirtualAccuGrad.
 
     Args:
         x: a floating tensor.
@@ -119,7 +117,7 @@ def virtual_add(x, accumulator, *, name=None):
     Backward: ``dx = dy + accumulator`` (read after dy is computed); the
     buffer gets no gradient and is left as is.
 
-    As the reference (``(dout + grad_accu, zeros)``).
+    MindSpore: _VirtualAdd.
 
     Args:
         x: a floating tensor.
@@ -154,11 +152,11 @@ def virtual_div(x, divisor):
 
     Forward: identity (`x` may be a tensor, or a tuple/list/nest of tensors).
     Backward: ``dx = dy / divisor`` for every floating tensor of the nest;
-    integer and bool tensors get their gradient passed through unchanged (as
-    in the reference; they carry no gradient in TF anyway).
+    integer and bool tensors get their gradient passed through unchanged
+    (they carry no gradient in TF anyway).
 
-    As the reference; the exact adjoint of ``y = x`` would be ``dy`` — use it
-    to turn a SUM of replica gradients into a MEAN (divisor = replicas).
+    Not an adjoint (that would be ``dy``): use it to turn a SUM of replica
+    gradients into a MEAN (divisor = replicas). MindSpore: _VirtualDiv.
 
     Args:
         x: a tensor, or a tuple/list (any `tf.nest` structure) of tensors.
@@ -200,9 +198,9 @@ def get_tensor_slice(
     the group keeps the i-th shard).
     Backward, chosen by name:
 
-    * ``backward="zeros"`` (the reference's ``_GetTensorSlice``): ``dx = 0``.
-      The full tensor is treated as a constant (MindSpore uses the op to
-      load a parameter's shard).
+    * ``backward="zeros"``: ``dx = 0``. The full tensor is treated as a
+      constant (for loading a parameter's shard; MindSpore:
+      _GetTensorSlice).
     * ``backward="exact"``: the adjoint, ``dx`` is dy placed at this slice's
       position in zeros of `x`'s shape.
 
