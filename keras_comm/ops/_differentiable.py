@@ -60,6 +60,15 @@ def check_accumulator(accumulator, shape, what):
         )
 
 
+def float_input(x, what, accumulator=None):
+    """`x` as a floating tensor; with `accumulator`, checks it is shaped like `x`."""
+    x = tf.convert_to_tensor(x)
+    check_float(x, what)
+    if accumulator is not None:
+        check_accumulator(accumulator, x.shape, what)
+    return x
+
+
 def carried_dtype(dtype, kind):
     """The dtype a `dtype` tensor travels in through primitive `kind`."""
     return tf.float32 if dtype in _CARRIED_AS_FLOAT32.get(kind, ()) else dtype

@@ -120,8 +120,7 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
     """
     _checks.check_bool(mean_flag, "mean_flag")
     fusion = _fusion.validate_fusion(fusion)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, _checks.what("mirror_operator", name))
+    x = D.float_input(x, _checks.what("mirror_operator", name))
     call = _collective.resolve(group, timeout, name)
 
     def backward(dy, x, y):
@@ -186,10 +185,7 @@ def mirror_mini_step_operator(
     """
     _checks.check_bool(mean_flag, "mean_flag")
     _checks.check_positive_int(accumulation_steps, "accumulation_steps")
-    what = _checks.what("mirror_mini_step_operator", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    D.check_accumulator(accumulator, x.shape, what)
+    x = D.float_input(x, _checks.what("mirror_mini_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
 
     def backward(dy, x, y):
@@ -258,10 +254,7 @@ def mirror_micro_step_operator(
     """
     _checks.check_bool(mean_flag, "mean_flag")
     _checks.check_bool(optimizer_shard, "optimizer_shard")
-    what = _checks.what("mirror_micro_step_operator", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    D.check_accumulator(accumulator, x.shape, what)
+    x = D.float_input(x, _checks.what("mirror_micro_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
     reduce = not optimizer_shard and not call.trivial
 
@@ -292,15 +285,22 @@ def _gather_forward(x, call):
     return y
 
 
-def _check_gathered_accumulator(accumulator, x, call, what):
-    # The accumulator holds the gradient of the gathered output, so it has
-    # group-size times x's rows; non-members never touch it.
+def _gathered_input(x, accumulator, fn_name, group, timeout, name):
+    """(x, call) for an all-gather whose gradient accumulates in `accumulator`.
+
+    The accumulator holds the gradient of the gathered output, so it has
+    group-size times x's rows; non-members never touch it.
+    """
+    what = _checks.what(fn_name, name)
+    x = D.float_input(x, what)
+    call = _collective.resolve(group, timeout, name)
     _checks.check_divisible(x.shape, 0, 1, what)
     if call.member:
         full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
             x.shape[1:]
         )
         D.check_accumulator(accumulator, full, what)
+    return x, call
 
 
 def _scatter_total(total, mean_flag, call):
@@ -357,11 +357,7 @@ def mini_step_all_gather(
     """
     _checks.check_bool(mean_flag, "mean_flag")
     _checks.check_positive_int(accumulation_steps, "accumulation_steps")
-    what = _checks.what("mini_step_all_gather", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    call = _collective.resolve(group, timeout, name)
-    _check_gathered_accumulator(accumulator, x, call, what)
+    x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name)
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)
@@ -407,11 +403,7 @@ def micro_step_all_gather(
         The gathered tensor (or `x` on non-members and with a group of one).
     """
     _checks.check_bool(mean_flag, "mean_flag")
-    what = _checks.what("micro_step_all_gather", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    call = _collective.resolve(group, timeout, name)
-    _check_gathered_accumulator(accumulator, x, call, what)
+    x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name)
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)

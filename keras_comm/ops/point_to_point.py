@@ -267,10 +267,8 @@ def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
     """
     tag = validate_tag(tag)
     route_map = routes(dest, src, "dest", "src", "sends to")
-    x = tf.convert_to_tensor(x)
     call, peer = _p2p_call(route_map, dest, "dest", "send", timeout, name)
-    if call is None:
-        return tf.identity(x)
+    x = tf.convert_to_tensor(x)
 
     def forward(x):
         (out,) = _run_transfers(call, [_Transfer("send", peer, tag, x, None, None)])
@@ -280,6 +278,8 @@ def send(x, dest, tag=0, *, src=None, timeout=None, name=None):
         (g,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
         return dy + g
 
+    if call is None:
+        return tf.identity(x)
     return D.collective(x, call, forward, backward, active=peer is not None)
 
 
@@ -311,10 +311,8 @@ def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
     """
     tag = validate_tag(tag)
     route_map = routes(src, dest, "src", "dest", "receives from")
-    x = tf.convert_to_tensor(x)
     call, peer = _p2p_call(route_map, src, "src", "receive", timeout, name)
-    if call is None:
-        return tf.identity(x)
+    x = tf.convert_to_tensor(x)
 
     def forward(x):
         (out,) = _run_transfers(call, [_Transfer("recv", peer, tag, None, tf.shape(x), x.dtype)])
@@ -324,6 +322,8 @@ def receive(x, src, tag=0, *, dest=None, timeout=None, name=None):
         (sent,) = _run_transfers(call, [_Transfer("send", peer, tag, dy, None, None)])
         return _after(tf.zeros_like(x), [sent])
 
+    if call is None:
+        return tf.identity(x)
     return D.collective(x, call, forward, backward, active=peer is not None)
 
 

@@ -49,8 +49,7 @@ def virtual_assign_add(x, accumulator, group=None, *, timeout=None, name=None):
         `x`, unchanged.
     """
     what = _checks.what("virtual_assign_add", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
+    x = D.float_input(x, what)
     call = None if group is None else _collective.resolve(group, timeout, name)
     scatter = call is not None and not call.trivial
     if scatter and call.member:
@@ -99,10 +98,7 @@ def virtual_accu_grad(x, accumulator, *, name=None):
     Returns:
         `x`, unchanged.
     """
-    what = _checks.what("virtual_accu_grad", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    D.check_accumulator(accumulator, x.shape, what)
+    x = D.float_input(x, _checks.what("virtual_accu_grad", name), accumulator)
 
     def backward(dy, x, y):
         return _read_after(accumulator, tf.convert_to_tensor(dy), x.dtype)
@@ -127,10 +123,7 @@ def virtual_add(x, accumulator, *, name=None):
     Returns:
         `x`, unchanged.
     """
-    what = _checks.what("virtual_add", name)
-    x = tf.convert_to_tensor(x)
-    D.check_float(x, what)
-    D.check_accumulator(accumulator, x.shape, what)
+    x = D.float_input(x, _checks.what("virtual_add", name), accumulator)
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)
