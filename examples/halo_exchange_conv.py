@@ -6,7 +6,7 @@ Run it on 2 (or 4) local worker processes:
 
 Every worker sees the same images but keeps only its strip of rows of each
 (worker 0 the top rows, worker 1 the bottom rows, ...). Before each 3x3
-convolution, `keras_comm.layers.NeighborExchangeV2` pads the strip with one
+convolution, `keras_comm.layers.HaloExchange` pads the strip with one
 row from each neighbouring strip (the "halo") and zeros where there is no
 neighbour, so a "valid" convolution of the padded strip is exactly the
 strip's part of a "same" convolution of the whole image. The global average
@@ -107,10 +107,10 @@ def build_strip_model(filters, strips):
         [
             keras.Input((IMAGE_ROWS, 8, 1)),
             own_strip(strips),
-            keras_comm.layers.NeighborExchangeV2(**halo),
+            keras_comm.layers.HaloExchange(**halo),
             keras.layers.Conv2D(filters, 3, padding="valid", activation="relu"),
             keras.layers.MaxPooling2D(2),
-            keras_comm.layers.NeighborExchangeV2(**halo),
+            keras_comm.layers.HaloExchange(**halo),
             keras.layers.Conv2D(2 * filters, 3, padding="valid", activation="relu"),
             # Mean over the strip, summed over the strips, / strips = the
             # mean over the whole feature map (the strips are equal in size).
