@@ -125,9 +125,7 @@ def _sparse(x, op, call, what):
     D.check_dtype(x.values, what)
     if call.trivial:
         return x
-    return _collective.run(
-        lambda: all_gather_indexed_slices(x, call) if call.member else x
-    )
+    return D.on_members(call, lambda x: all_gather_indexed_slices(x, call), x)
 
 
 def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
