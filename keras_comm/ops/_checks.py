@@ -1,10 +1,13 @@
-"""Argument checks shared by the ops (pure Python: no TensorFlow).
+"""Argument checks of the ops (pure Python: no TensorFlow).
 
-Each check names the argument, states the rule and ends with
-``Received: name=value``, and returns the normalized value. `what` is the
-prefix naming the op (and its layer) in messages that concern the op rather
-than one argument.
+The checks every tier shares (ints, bools, counts, ranks, choices) live in
+`keras_comm._validation`; these are the ops' own: roots and axes against a
+group or a rank, divisibility of a dimension, tags. Each names the argument,
+states the rule and ends with ``Received: name=value``. `what` is the prefix
+naming the op (and its layer) in messages about the op as a whole.
 """
+
+from keras_comm import _validation
 
 
 def what(fn_name, name=None):
@@ -14,57 +17,12 @@ def what(fn_name, name=None):
     return f"keras_comm.ops.{fn_name}"
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(value, arg):
-    """Returns `value` if it is an int (not a bool); TypeError otherwise."""
-    if not _is_int(value):
-        raise TypeError(f"`{arg}` must be an int. Received: {arg}={value!r}")
-    return value
-
-
-def check_bool(value, arg):
-    """Returns `value` if it is a bool; TypeError otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"`{arg}` must be a bool. Received: {arg}={value!r}")
-    return value
-
-
-def check_choice(value, arg, choices):
-    """Returns `value` if it is one of `choices`; ValueError otherwise."""
-    if value not in choices:
-        raise ValueError(f"`{arg}` must be one of {tuple(choices)}. Received: {arg}={value!r}")
-    return value
-
-
-def check_positive_int(value, arg):
-    """Returns `value` if it is an int >= 1; ValueError otherwise."""
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"`{arg}` must be an int >= 1. Received: {arg}={value!r}")
-    return value
-
-
-def check_rank(value, arg):
-    """Returns `value` if it is a global rank (an int >= 0)."""
-    if not _is_int(value):
-        raise TypeError(f"`{arg}` must be an int global rank. Received: {arg}={value!r}")
-    if value < 0:
-        raise ValueError(f"`{arg}` must be a global rank >= 0. Received: {arg}={value!r}")
-    return int(value)
-
-
 def check_tag(tag, arg="tag"):
     """Returns `tag` if it is an int >= 0 (negative tags are keras_comm's own)."""
-    if not _is_int(tag):
-        raise TypeError(f"`{arg}` must be an int >= 0. Received: {arg}={tag!r}")
-    if tag < 0:
-        raise ValueError(
-            f"`{arg}` must be >= 0 (negative tags are reserved for keras_comm's "
-            f"exchanges). Received: {arg}={tag!r}"
-        )
-    return int(tag)
+    return _validation.integer(
+        tag, arg, minimum=0,
+        rule="an int >= 0 (negative tags are reserved for keras_comm's exchanges)",
+    )
 
 
 def member_index(group, rank, arg, what_):
@@ -72,7 +30,7 @@ def member_index(group, rank, arg, what_):
 
     For root / dest / src arguments, which must name a member.
     """
-    if not _is_int(rank):
+    if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"{what_}: `{arg}` must be an int global rank. Received: {arg}={rank!r}")
     if rank not in group:
         raise ValueError(
@@ -84,7 +42,7 @@ def member_index(group, rank, arg, what_):
 
 def normalize_axis(axis, rank, arg, what_):
     """`axis` in ``[-rank, rank)`` as a non-negative axis."""
-    check_int(axis, arg)
+    _validation.integer(axis, arg)
     if not -rank <= axis < rank:
         raise ValueError(
             f"{what_}: `{arg}` must be in [{-rank}, {rank}) for an input of rank "

@@ -19,6 +19,7 @@ tested without a cluster.
 
 import collections
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 
 Link = collections.namedtuple("Link", "src dst send_slot recv_slot")
@@ -109,7 +110,7 @@ def normalize_table(table, width, name, none_value=None):
             if r is None or r == none_value and none_value is not None:
                 out.append(None)
             else:
-                out.append(_checks.check_rank(r, f"{name}[{p}] entry"))
+                out.append(_validation.rank(r, f"{name}[{p}] entry"))
         rows.append(tuple(out))
     if not rows:
         raise ValueError(f"`{name}` must not be empty. Received: {name}={table!r}")
@@ -224,7 +225,7 @@ def halo_rank_ids(grid_rows, grid_cols, periodic=False):
             the rank itself is -1.
     """
     for v, n in ((grid_rows, "grid_rows"), (grid_cols, "grid_cols")):
-        _checks.check_positive_int(v, n)
+        _validation.positive_int(v, n)
     offsets = [(-1, 0), (-1, 1), (0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1)]
     table = []
     for r in range(grid_rows):

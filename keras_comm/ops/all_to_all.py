@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
@@ -70,7 +71,7 @@ def all_to_all(x, split_count, split_dim, concat_dim, group=None, *, timeout=Non
         TypeError: a non-int argument or an unsupported dtype.
     """
     what = _checks.what("all_to_all", name)
-    _checks.check_int(split_count, "split_count")
+    _validation.integer(split_count, "split_count")
     x = tf.convert_to_tensor(x)
     D.check_dtype(x, what)
     _checks.check_known_rank(x.shape, what)

@@ -6,6 +6,7 @@ through.
 
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
@@ -16,7 +17,7 @@ BROADCAST_GRADIENTS = ("exact", "identity")
 def validate_gradient(gradient, name="gradient"):
     """Returns `gradient` if it is "exact" or "identity"; raises otherwise."""
     if not isinstance(gradient, str) or gradient.lower() not in BROADCAST_GRADIENTS:
-        _checks.check_choice(gradient, name, BROADCAST_GRADIENTS)
+        _validation.one_of(gradient, BROADCAST_GRADIENTS, name)
     return gradient.lower()
 
 

@@ -26,6 +26,7 @@ mixed_float16 policy); gradients are cast in and out.
 
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
@@ -118,7 +119,7 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
             `fusion`.
         ValueError: a group outside the world or a negative `fusion`.
     """
-    _checks.check_bool(mean_flag, "mean_flag")
+    _validation.boolean(mean_flag, "mean_flag")
     fusion = _fusion.validate_fusion(fusion)
     x = D.float_input(x, _checks.what("mirror_operator", name))
     call = _collective.resolve(group, timeout, name)
@@ -183,8 +184,8 @@ def mirror_mini_step_operator(
     Returns:
         `x`, unchanged.
     """
-    _checks.check_bool(mean_flag, "mean_flag")
-    _checks.check_positive_int(accumulation_steps, "accumulation_steps")
+    _validation.boolean(mean_flag, "mean_flag")
+    _validation.accumulation_steps(accumulation_steps)
     x = D.float_input(x, _checks.what("mirror_mini_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
 
@@ -252,8 +253,8 @@ def mirror_micro_step_operator(
     Returns:
         `x`, unchanged.
     """
-    _checks.check_bool(mean_flag, "mean_flag")
-    _checks.check_bool(optimizer_shard, "optimizer_shard")
+    _validation.boolean(mean_flag, "mean_flag")
+    _validation.boolean(optimizer_shard, "optimizer_shard")
     x = D.float_input(x, _checks.what("mirror_micro_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
     reduce = not optimizer_shard and not call.trivial
@@ -355,8 +356,8 @@ def mini_step_all_gather(
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _checks.check_bool(mean_flag, "mean_flag")
-    _checks.check_positive_int(accumulation_steps, "accumulation_steps")
+    _validation.boolean(mean_flag, "mean_flag")
+    _validation.accumulation_steps(accumulation_steps)
     x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name)
 
     def backward(dy, x, y):
@@ -402,7 +403,7 @@ def micro_step_all_gather(
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _checks.check_bool(mean_flag, "mean_flag")
+    _validation.boolean(mean_flag, "mean_flag")
     x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name)
 
     def backward(dy, x, y):

@@ -40,6 +40,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
@@ -50,7 +51,7 @@ NEIGHBOR_TAG = -1
 NEIGHBOR_V2_TAG = -2
 
 # Shared with the layers.
-validate_rank = _checks.check_rank
+validate_rank = _validation.rank
 validate_tag = _checks.check_tag
 
 

@@ -15,6 +15,7 @@ Accumulators are caller-owned per-replica variables
 
 import tensorflow as tf
 
+from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
@@ -132,14 +133,6 @@ def virtual_add(x, accumulator, *, name=None):
     return D.with_gradient(x, tf.identity, backward)
 
 
-def _check_divisor(divisor):
-    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or divisor == 0:
-        raise ValueError(
-            f"`divisor` must be a non-zero number. Received: divisor={divisor!r}"
-        )
-    return divisor
-
-
 def virtual_div(x, divisor):
     """Divides the gradient flowing back through `x` by `divisor`.
 
@@ -161,7 +154,7 @@ def virtual_div(x, divisor):
     Raises:
         ValueError: a zero or non-numeric `divisor`.
     """
-    _check_divisor(divisor)
+    _validation.nonzero_number(divisor, "divisor")
     flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x)]
 
     def one(t):
@@ -216,7 +209,7 @@ def get_tensor_slice(
             divisible by `num_slices`.
     """
     what = _checks.what("get_tensor_slice", name)
-    zeros_grad = _checks.check_choice(backward, "backward", _GET_TENSOR_SLICE_BACKWARDS) == "zeros"
+    zeros_grad = _validation.one_of(backward, _GET_TENSOR_SLICE_BACKWARDS, "backward") == "zeros"
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
     if isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < rank:
