@@ -25,10 +25,9 @@ import zlib
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.framework import ops as tf_ops
 
 from keras_comm import _validation
+from keras_comm._private import tf_api
 from keras_comm_run import cluster as _cluster_config
 
 # tf.distribute allocates group keys from 1 upwards, one per device set; ours
@@ -205,14 +204,14 @@ def current_replica(what="keras_comm collectives"):
     strategy, ctx = _strategy_and_context()
     n = strategy.num_replicas_in_sync
     if n == 1:
-        return Replica(0, 1, device_util.current() or "")
+        return Replica(0, 1, tf_api.current_device() or "")
     if ctx is None:
         raise RuntimeError(
             f"{what} run once per replica: call them inside `strategy.run`, "
             "`model.fit`, `model.evaluate` or `model.predict`, not in "
             f"cross-replica context (the strategy has {n} replicas)."
         )
-    rid = ctx._replica_id_in_sync_group  # pylint: disable=protected-access
+    rid = tf_api.replica_id(ctx)
     if not isinstance(rid, int):
         rid = tf.get_static_value(rid)
         if rid is None:
@@ -220,7 +219,7 @@ def current_replica(what="keras_comm collectives"):
                 f"{what} need a static replica id; this strategy "
                 f"({type(strategy).__name__}) does not provide one."
             )
-    return Replica(int(rid), n, device_util.current())
+    return Replica(int(rid), n, tf_api.current_device())
 
 
 def rank():
@@ -247,21 +246,18 @@ class _InstanceKeys:
         `on_call`, if given, runs (in Python) each time a compiled function
         holding the key is called, before the key is drawn.
         """
-        graph = tf_ops.get_default_graph()
-        while getattr(graph, "is_control_flow_graph", False):
-            graph = graph.outer_graph
-        if not tf.executing_eagerly() and graph.building_function:
-            with graph.as_default():
-                # A NumPy scalar, not an eager constant: cheaper per call
-                # (8 chained all-reduces on 2 in-process replicas: 4.0 ms
-                # per step instead of 5.4, medians of 5 x 100 steps).
-                @tf.autograph.experimental.do_not_convert
-                def key():
-                    if on_call is not None:
-                        on_call()
-                    return np.int32(self._take(group_key_, device))
+        # A NumPy scalar, not an eager constant: cheaper per call
+        # (8 chained all-reduces on 2 in-process replicas: 4.0 ms
+        # per step instead of 5.4, medians of 5 x 100 steps).
+        @tf.autograph.experimental.do_not_convert
+        def key():
+            if on_call is not None:
+                on_call()
+            return np.int32(self._take(group_key_, device))
 
-                return graph.capture_call_time_value(key, tf.TensorSpec([], tf.int32))
+        captured = tf_api.capture_call_time_value(key, tf.TensorSpec([], tf.int32))
+        if captured is not None:
+            return captured
         return self._eager_key(group_key_, device)
 
     def _eager_key(self, group_key_, device):

@@ -45,10 +45,10 @@ import time
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from keras_comm import config
 from keras_comm import errors
+from keras_comm._private import tf_api
 
 _MAX_NAMED = 8
 
@@ -204,6 +204,4 @@ def message(site, seconds):
 
 
 def _abort(entry):
-    context.context().abort_collective_ops(
-        tf.errors.DEADLINE_EXCEEDED, message(entry.site, entry.seconds)
-    )
+    tf_api.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message(entry.site, entry.seconds))

@@ -22,21 +22,17 @@ points of the program (SPMD), members of the group or not.
 
 import concurrent.futures
 import functools
-import sys
 import threading
 import zlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as tf_values
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.ops import collective_ops
-from tensorflow.python.ops import gen_collective_ops
-from tensorflow.python.ops import resource_variable_ops
 
 from keras_comm import config
 from keras_comm import errors
 from keras_comm import topology
 from keras_comm import watchdog
+from keras_comm._private import keras_api
+from keras_comm._private import tf_api
 from keras_comm.ops import _fusion
 
 _MERGE_OPS = {"sum": "Add", "prod": "Mul", "max": "Max", "min": "Min"}
@@ -49,31 +45,14 @@ def _ordering_token(device):
     with _tokens_lock:
         token = _tokens.get(device)
         if token is None:
-            with tf.init_scope(), tf.device(device):
-                token = resource_variable_ops.ResourceVariable(
-                    0.0, trainable=False, name="keras_comm_ordering_token"
-                )
-            _tokens[device] = token
+            token = _tokens[device] = tf_api.ordering_token_variable(device)
         return token
 
 
 def _handle_in_graph(token):
-    """The token's resource handle, captured by the outermost function graph.
-
-    Inside a nested graph (a `tf.cond` branch, or the gradient of one) a
-    direct use of the eagerly created handle makes that graph capture an
-    eager tensor, which cond_v2's gradient cannot resolve. Capturing it in
-    the outermost function first gives nested graphs a graph tensor to
-    capture, as they do for ordinary variables.
-    """
-    handle = token.handle
-    graph = tf_ops.get_default_graph()
-    outer = getattr(graph, "outer_graph", None)
-    if tf.executing_eagerly() or outer is None or not graph.building_function:
-        return handle
-    while getattr(outer, "outer_graph", None) is not None and outer.building_function:
-        graph, outer = outer, outer.outer_graph
-    return graph.capture(handle)
+    # Nested graphs (cond branches, their gradients) must capture the token
+    # through the outermost function; see tf_api.capture_in_outermost_function.
+    return tf_api.capture_in_outermost_function(token.handle)
 
 
 def _local_replica_count():
@@ -107,15 +86,12 @@ def _run_concurrently(strategy, thunks):
     thunks = strategy.experimental_local_results(thunks)
     with concurrent.futures.ThreadPoolExecutor(len(thunks)) as pool:
         results = list(pool.map(lambda f: f(), thunks))
-    return tf_values.PerReplica(results)
+    return tf_api.per_replica(results)
 
 
 def _hint():
     """The strategy's communication implementation ('auto', 'ring', 'nccl')."""
-    extended = tf.distribute.get_strategy().extended
-    options = getattr(extended, "_communication_options", None)
-    implementation = getattr(options, "implementation", None)
-    return implementation.value.lower() if implementation is not None else "auto"
+    return tf_api.communication_implementation(tf.distribute.get_strategy())
 
 
 def _timeout(timeout):
@@ -229,10 +205,8 @@ def _in_keras_symbolic_build():
     Keras then calls layers on placeholders in cross-replica context, where
     there is no "this replica" and nothing may be communicated.
     """
-    scope = sys.modules.get("keras.src.backend.common.symbolic_scope")
     return (
-        scope is not None
-        and scope.in_symbolic_scope()
+        keras_api.in_symbolic_scope()
         and not tf.executing_eagerly()
         and tf.distribute.has_strategy()
         and tf.distribute.in_cross_replica_context()
@@ -295,7 +269,7 @@ def _check_call(x, call, kind, detail=""):
             tf.constant(call.replica.rank, tf.int64),
         ])
         fingerprint = tf.reshape(tf.concat([head, dims], 0), [1, errors.FINGERPRINT_SIZE])
-    rows = _ordered(call, "check", collective_ops.all_gather_v2, t=fingerprint)
+    rows = _ordered(call, "check", tf_api.all_gather_v2, t=fingerprint)
     with tf.device(call.device):
         problem = tf.numpy_function(
             functools.partial(_compare_fingerprints, index=call.index),
@@ -353,7 +327,7 @@ def all_reduce(x, call, op="sum", fusion=0):
     return _ordered(
         call,
         "all_reduce",
-        collective_ops.all_reduce_v2,
+        tf_api.all_reduce_v2,
         t=x,
         merge_op=_MERGE_OPS[op],
         final_op="Id",
@@ -362,7 +336,7 @@ def all_reduce(x, call, op="sum", fusion=0):
 
 def all_gather(x, call):
     """Concatenates every member's `x` (same shape everywhere) on axis 0."""
-    return _ordered(call, "all_gather", collective_ops.all_gather_v2, t=x)
+    return _ordered(call, "all_gather", tf_api.all_gather_v2, t=x)
 
 
 def all_to_all(x, call):
@@ -370,30 +344,12 @@ def all_to_all(x, call):
 
     `x` must have leading dimension equal to the group size.
     """
-    return _ordered(call, "all_to_all", collective_ops.all_to_all_v2, t=x)
+    return _ordered(call, "all_to_all", tf_api.all_to_all_v2, t=x)
 
 
 def has_native_reduce_scatter(device):
     """TF has a reduce-scatter kernel only for NCCL (GPU) collectives."""
     return "GPU" in device.upper() and _hint() in ("auto", "nccl")
-
-
-def _native_reduce_scatter(
-    t, group_size, group_key, instance_key, communication_hint, timeout, ordering_token, name
-):
-    # TF exports no Python wrapper for the V2 reduce-scatter op.
-    return gen_collective_ops.collective_reduce_scatter_v2(
-        t,
-        group_size=group_size,
-        group_key=group_key,
-        instance_key=instance_key,
-        ordering_token=[ordering_token],
-        merge_op="Add",
-        final_op="Id",
-        communication_hint=communication_hint,
-        timeout_seconds=timeout,
-        name=name,
-    )
 
 
 def reduce_scatter(x, call):
@@ -405,7 +361,7 @@ def reduce_scatter(x, call):
     reduce-scatter and half an all-reduce's.
     """
     if has_native_reduce_scatter(call.device):
-        return _ordered(call, "reduce_scatter", _native_reduce_scatter, t=x)
+        return _ordered(call, "reduce_scatter", tf_api.reduce_scatter_v2, t=x)
     n = call.size
     shape = tf.shape(x)
     chunks = tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))
@@ -450,12 +406,12 @@ def broadcast(x, call, root_index):
 
         def fn():
             # The send's output must be used, or tf.function prunes the op.
-            return collective_ops.broadcast_send_v2(x, **kwargs)
+            return tf_api.broadcast_send_v2(x, **kwargs)
 
     else:
 
         def fn():
-            return collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **kwargs)
+            return tf_api.broadcast_recv_v2(tf.shape(x), x.dtype, **kwargs)
 
     with tf.name_scope(_op_name(call.name, "broadcast")), errors._translating(info):
         return _chained(call, fn)
@@ -478,7 +434,7 @@ def send(x, call, dest, tag=0):
     key, instance, timeout = call._keys(_pair_key(call.replica.rank, dest, tag))
 
     def fn():
-        return collective_ops.broadcast_send_v2(
+        return tf_api.broadcast_send_v2(
             x,
             group_size=2,
             group_key=key,
@@ -500,7 +456,7 @@ def recv(shape, dtype, call, src, tag=0):
     key, instance, timeout = call._keys(_pair_key(call.replica.rank, src, tag))
 
     def fn():
-        return collective_ops.broadcast_recv_v2(
+        return tf_api.broadcast_recv_v2(
             shape,
             dtype,
             group_size=2,

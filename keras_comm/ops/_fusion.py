@@ -34,10 +34,9 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.framework import ops as tf_ops
 
 from keras_comm import config
+from keras_comm._private import tf_api
 
 _SCOPE_ATTR = "_keras_comm_fusion_scope"
 _lock = threading.RLock()
@@ -111,7 +110,7 @@ def fusion_scope():
     if tf.executing_eagerly():
         yield
         return
-    graph = tf_ops.get_default_graph()
+    graph = tf_api.default_graph()
     with _lock:
         scope = _scope_of(graph)
         if scope is None:
@@ -145,7 +144,7 @@ def defer(x, call, op, fusion):
     """
     if not fusion or call.symbolic or tf.executing_eagerly() or config.get_check_calls():
         return None
-    graph = tf_ops.get_default_graph()
+    graph = tf_api.default_graph()
     scope = _scope_of(graph)
     if scope is None:
         return None
@@ -162,7 +161,7 @@ def defer(x, call, op, fusion):
         bucket.names.append(call.name)
         scope.stand_in_ops[stand_in.op] = key
         if scope.first_id is None:
-            scope.first_id = stand_in.op._id  # pylint: disable=protected-access
+            scope.first_id = tf_api.op_id(stand_in.op)
     return stand_in
 
 
@@ -173,7 +172,7 @@ def settle(tensors):
     """
     if tf.executing_eagerly():
         return  # nothing is deferred in eager mode
-    graph = tf_ops.get_default_graph()
+    graph = tf_api.default_graph()
     scope = _scope_of(graph)
     if scope is not None:
         if scope.buckets:
@@ -181,13 +180,13 @@ def settle(tensors):
         return
     # A nested graph: the op calling it takes the ordering token in an
     # enclosing graph, so everything pending there must come first.
-    outer = getattr(graph, "outer_graph", None)
+    outer = tf_api.outer_graph(graph)
     while outer is not None:
         scope = _scope_of(outer)
         if scope is not None and scope.buckets:
             with outer.as_default():
                 _flush(scope, list(scope.buckets))
-        outer = getattr(outer, "outer_graph", None)
+        outer = tf_api.outer_graph(outer)
 
 
 def _keys_reached(scope, tensors):
@@ -199,7 +198,7 @@ def _keys_reached(scope, tensors):
     stack = [t.op for t in tensors if isinstance(t, tf.Tensor) and t.graph is scope.graph]
     while stack:
         op = stack.pop()
-        if op in seen or op in clean or op._id < first:  # pylint: disable=protected-access
+        if op in seen or op in clean or tf_api.op_id(op) < first:
             continue
         seen.add(op)
         key = scope.stand_in_ops.get(op)
@@ -233,12 +232,12 @@ def _flush(scope, keys):
         # Built outside any caller's control-dependency block and tape: the
         # packed op depends on its inputs only, and is never differentiated
         # (each member's gradient is its own custom_gradient).
-        with tf.control_dependencies(None), record.stop_recording(), tf.device(call.device):
+        with tf.control_dependencies(None), tf_api.stop_recording(), tf.device(call.device):
             results = packed(
                 bucket.inputs, lambda t: _collective.all_reduce(t, call, bucket.op)
             )
         for stand_in, result in zip(bucket.stand_ins, results):
-            stand_in.op._update_input(0, result)  # pylint: disable=protected-access
+            tf_api.rewire_input(stand_in.op, 0, result)
 
 
 def packed(values, reduce):

@@ -1,0 +1,316 @@
+"""Every private Keras attribute keras_comm touches, each behind a named function.
+
+Why each is needed is in its docstring. Imports of ``keras.src`` happen
+inside the functions: they run only once `keras_comm.compat` has accepted the
+installed Keras version (see `keras_comm.compat.SUPPORTED_KERAS`).
+
+`relied_on()` names the private functions keras_comm replaces, calls or
+mirrors; tests/test_private_api.py hashes their source per Keras version.
+"""
+
+import sys
+
+import keras
+
+# --- The TensorFlow trainer: the step owner installs itself here -------------
+
+#: `TensorFlowTrainer` methods `keras_comm.compat` replaces.
+TRAINER_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step")
+# Originals are stored on the patched module itself (not in keras_comm) so that
+# re-importing or reloading keras_comm cannot mistake a patched function for
+# an original one.
+_ORIGINALS_ATTR = "_keras_comm_compat_originals"
+_OPTIMIZER_ORIGINAL_ATTR = "_keras_comm_compat_all_reduce_sum_gradients"
+
+
+def _trainer_module():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def _optimizer_class():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def trainer_patched():
+    """Whether `install_trainer_methods` is in effect."""
+    return hasattr(_trainer_module(), _ORIGINALS_ATTR)
+
+
+def install_trainer_methods(replacements):
+    """Replaces `TensorFlowTrainer` methods; the originals stay reachable.
+
+    Needed because stock Keras cannot train under
+    MultiWorkerMirroredStrategy (see `keras_comm.compat`): `fit`, `evaluate`
+    and `predict` build and compile their steps through these private
+    methods, and there is no public hook for a strategy-aware step.
+
+    Args:
+        replacements: ``{name: function}`` for every name in `TRAINER_METHODS`.
+    """
+    module = _trainer_module()
+    cls = module.TensorFlowTrainer
+    setattr(module, _ORIGINALS_ATTR, {n: cls.__dict__[n] for n in TRAINER_METHODS})
+    for name in TRAINER_METHODS:
+        setattr(cls, name, replacements[name])
+
+
+def restore_trainer_methods():
+    """Undoes `install_trainer_methods`; a no-op when not installed."""
+    module = _trainer_module()
+    originals = getattr(module, _ORIGINALS_ATTR, None)
+    if originals is None:
+        return
+    cls = module.TensorFlowTrainer
+    for name in TRAINER_METHODS:
+        setattr(cls, name, originals[name])
+    delattr(module, _ORIGINALS_ATTR)
+
+
+def trainer_method(name):
+    """Upstream's `TensorFlowTrainer.<name>` (the original while patched)."""
+    module = _trainer_module()
+    originals = getattr(module, _ORIGINALS_ATTR, None)
+    if originals is not None:
+        return originals[name]
+    return module.TensorFlowTrainer.__dict__[name]
+
+
+def current_trainer_method(name):
+    """What `TensorFlowTrainer.<name>` is right now (patched or not)."""
+    return _trainer_module().TensorFlowTrainer.__dict__[name]
+
+
+def install_gradient_reduction(replacement):
+    """Replaces `TFOptimizer._all_reduce_sum_gradients`; idempotent.
+
+    Needed so that a variable may carry its own gradient reduction (sharded
+    weights reduce over their data-parallel group, weights a comm layer
+    already reduced not at all): the optimizer reduces every gradient over
+    the world in this private method, with no public per-variable hook.
+    """
+    cls = _optimizer_class()
+    if not hasattr(cls, _OPTIMIZER_ORIGINAL_ATTR):
+        setattr(cls, _OPTIMIZER_ORIGINAL_ATTR, cls.__dict__["_all_reduce_sum_gradients"])
+        cls._all_reduce_sum_gradients = replacement
+
+
+def restore_gradient_reduction():
+    """Undoes `install_gradient_reduction`; a no-op when not installed."""
+    cls = _optimizer_class()
+    original = cls.__dict__.get(_OPTIMIZER_ORIGINAL_ATTR)
+    if original is not None:
+        cls._all_reduce_sum_gradients = original
+        delattr(cls, _OPTIMIZER_ORIGINAL_ATTR)
+
+
+def upstream_gradient_reduction():
+    """Upstream's `TFOptimizer._all_reduce_sum_gradients` (the original while patched)."""
+    cls = _optimizer_class()
+    return cls.__dict__.get(_OPTIMIZER_ORIGINAL_ATTR, cls.__dict__["_all_reduce_sum_gradients"])
+
+
+def current_gradient_reduction():
+    """What `TFOptimizer._all_reduce_sum_gradients` is right now."""
+    return _optimizer_class()._all_reduce_sum_gradients
+
+
+# --- The model, inside a step ------------------------------------------------
+
+
+def model_strategy(model):
+    """The strategy `model` was created under, or None.
+
+    Upstream's symbolic build tests this attribute (not the public
+    `distribute_strategy`, which falls back to the current strategy), and
+    so must its replacement.
+    """
+    return model._distribute_strategy
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes `training`; the default step passes it if so."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The model's total loss for one batch, as the default `train_step` computes it.
+
+    Public `compute_loss` skips the `training` argument that tracks
+    regularization losses the way upstream's step does.
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def track_loss(model, loss, batch_size):
+    """Updates the model's "loss" metric as the default `train_step` does.
+
+    The tracker and the unscaling (undoing the 1/num_replicas factor Keras
+    folds into the loss under a strategy) are both private.
+    """
+    from keras.src.losses import loss as loss_module
+
+    model._loss_tracker.update_state(
+        loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+    )
+
+
+def autoconvert_optionals(model, step):
+    """`step` wrapped to receive None for empty `tf.experimental.Optional`s.
+
+    Keras >= 3.12 passes optional inputs this way; earlier versions have no
+    wrapper and `step` is returned unchanged.
+    """
+    wrap = getattr(model, "_autoconvert_optionals", None)
+    return step if wrap is None else wrap(step)
+
+
+def symbolic_build(model, data_batch):
+    """Builds `model`'s weights, metrics and optimizer from a batch's specs.
+
+    The private step `fit` runs before its first step; keras_comm calls it
+    with specs instead of a batch pulled from the iterator.
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+def iterator_element_spec(iterator):
+    """The element spec of the dataset behind Keras's distributed-iterator wrapper."""
+    return iterator._get_iterator().element_spec
+
+
+def set_initial_epoch(model, epoch):
+    """Makes a running `fit` continue from `epoch` (as Keras's own BackupAndRestore does)."""
+    model._initial_epoch = epoch
+
+
+def track_variable(layer, variable):
+    """Makes `layer` own `variable` (saved, listed in its weights).
+
+    `add_weight` cannot create an ON_READ, non-aggregated variable, which the
+    mirror layers' per-replica accumulators are.
+    """
+    layer._track_variable(variable)
+
+
+# --- Variables and optimizers ------------------------------------------------
+
+
+def tf_variable(variable):
+    """The TensorFlow variable behind a Keras variable (others returned as is).
+
+    Not `.value`, which may return an autocast tensor inside a mixed-precision
+    call: keras_comm needs the variable itself, to mark it (the optimizer
+    receives tf.Variables) and to assign to it.
+    """
+    return variable._value if isinstance(variable, keras.Variable) else variable
+
+
+def current_learning_rate(optimizer):
+    """The learning rate `optimizer` applies at its current iteration.
+
+    Public `learning_rate` is a variable or schedule; this resolves both,
+    exactly as `apply_gradients` does.
+    """
+    return optimizer._get_current_learning_rate()
+
+
+def learning_rate_variable(optimizer):
+    """The optimizer variable holding its learning rate, or None (a schedule)."""
+    lr = getattr(optimizer, "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
+
+
+def clip_gradients(optimizer, grads):
+    """`optimizer`'s clipnorm / clipvalue / global_clipnorm applied to `grads`,
+    as `apply_gradients` applies them."""
+    return optimizer._clip_gradients(grads)
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable` (its exclusion lists)."""
+    return optimizer._use_weight_decay(variable)
+
+
+# --- Layers under construction -------------------------------------------------
+
+
+def in_symbolic_scope():
+    """True while Keras infers output specs on placeholders (no data, no replica).
+
+    Read from the loaded module only: if Keras never opened the scope, the
+    module need not be imported.
+    """
+    scope = sys.modules.get("keras.src.backend.common.symbolic_scope")
+    return scope is not None and scope.in_symbolic_scope()
+
+
+# --- What the version test guards --------------------------------------------
+
+
+def relied_on():
+    """The private Keras functions keras_comm replaces, calls or mirrors, by name.
+
+    Replaced (their originals): the three trainer methods and the
+    optimizer's gradient all-reduce. Called: the accessors above. Mirrored or
+    relied on for behaviour: the base trainer's metric logs (the exact metric
+    reduction mirrors `get_metrics_result` and the key test of
+    `_get_metrics_result_or_logs`), `predict`'s cross-worker concat, the
+    loss reduction that `_unknown_if_empty` works around, and the optimizer
+    update the gradient hook feeds.
+    """
+    from keras.src.backend.common import symbolic_scope
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.losses import loss as loss_module
+    from keras.src.optimizers import base_optimizer
+    from keras.src.trainers import trainer as base_trainer
+
+    optimizer = _optimizer_class()
+    trainer = base_trainer.Trainer
+    out = {
+        f"TensorFlowTrainer.{name}": trainer_method(name) for name in TRAINER_METHODS
+    }
+    out.update({
+        "TFOptimizer._all_reduce_sum_gradients": upstream_gradient_reduction(),
+        "TFOptimizer._backend_update_step": optimizer._backend_update_step,
+        "TensorFlowTrainer._autoconvert_optionals": tf_trainer.TensorFlowTrainer.__dict__.get(
+            "_autoconvert_optionals"
+        ),
+        "TFEpochIterator._get_iterator": tf_trainer.TFEpochIterator._get_iterator,
+        "Trainer._symbolic_build": trainer._symbolic_build,
+        "Trainer._compute_loss": trainer._compute_loss,
+        "Trainer.get_metrics_result": trainer.get_metrics_result,
+        "Trainer._get_metrics_result_or_logs": trainer._get_metrics_result_or_logs,
+        "reduce_per_replica": tf_trainer.reduce_per_replica,
+        "_multi_worker_concat": tf_trainer._multi_worker_concat,
+        "reduce_values": loss_module.reduce_values,
+        "unscale_loss_for_distribution": loss_module.unscale_loss_for_distribution,
+        "BaseOptimizer._get_current_learning_rate": base_optimizer.BaseOptimizer._get_current_learning_rate,
+        "BaseOptimizer._clip_gradients": base_optimizer.BaseOptimizer._clip_gradients,
+        "BaseOptimizer._use_weight_decay": base_optimizer.BaseOptimizer._use_weight_decay,
+        "Layer._track_variable": keras.layers.Layer._track_variable,
+        "in_symbolic_scope": symbolic_scope.in_symbolic_scope,
+    })
+    return {name: fn for name, fn in out.items() if fn is not None}
+
+
+def relied_on_attributes():
+    """Private attributes keras_comm reads (not functions: checked for presence).
+
+    Returns:
+        ``(owner description, attribute name, object to check)`` triples,
+        given a built and compiled model.
+    """
+    return (
+        "Trainer._call_has_training_arg",
+        "Trainer._loss_tracker",
+        "Trainer._distribute_strategy",
+        "Trainer._initial_epoch",
+        "BaseOptimizer._learning_rate",
+        "Variable._value",
+    )
