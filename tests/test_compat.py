@@ -14,9 +14,6 @@ optimizer steps, different summation orders); metrics within 1e-5 relative;
 evaluate/fit metrics bitwise identical on every worker.
 """
 
-import hashlib
-import inspect
-import json
 import os
 import subprocess
 import sys
@@ -30,160 +27,16 @@ from _cluster import run_cluster
 from compat_workers import flows
 from conftest import make_strategy
 from keras_comm import compat
+from keras_comm._private import keras_api
 
 WEIGHT_RTOL = 1e-4
 METRIC_RTOL = 1e-5
 
-# sha256 of `inspect.getsource` of the Keras code compat replaces (the
-# TensorFlowTrainer methods), wraps (TFOptimizer._all_reduce_sum_gradients,
-# whose (grad, var) list contract section 5 relies on) or relies on (the rest: the build reads only
-# .shape/.dtype of the batch; metric logs mirror get_metrics_result and its key
-# test; predict's cross-worker concat; the loss reduction `_unknown_if_empty`
-# works around), per Keras version compat was checked against (3.10.0, 3.11.3
-# and 3.12.4 ran the in-process flows; later versions share their replaced
-# code). A mismatch means upstream changed that code: read the new version,
-# port the change into keras_comm/compat.py (or drop the patch if upstream
-# fixed the bug), then record the new hashes here.
-_UPSTREAM_SHA256 = {
-    "3.10.0": {
-        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
-        "TensorFlowTrainer._maybe_symbolic_build": "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81",
-        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
-        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
-        "Trainer._symbolic_build": "330210b83242a6af0c29890c4d2ca75bba8187399727dc3eb70c37643a1b45ec",
-        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.11.3": {
-        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
-        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
-        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
-        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.12.4": {
-        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
-        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.13.2": {
-        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
-        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.14.1": {
-        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
-        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.15.0": {
-        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
-        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-    "3.15.1": {
-        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
-        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
-        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
-        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
-        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
-        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    },
-}
+# The hashes of the Keras code compat replaces or relies on, per Keras
+# version, are checked by tests/test_private_api.py.
 
 
-def _upstream_functions():
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers import trainer as base_trainer
-
-    originals = getattr(tf_trainer, compat._ORIGINALS_ATTR, None) or {
-        name: tf_trainer.TensorFlowTrainer.__dict__[name] for name in compat._METHODS
-    }
-    optimizer_cls = TFOptimizer
-    return {
-        "TFOptimizer._all_reduce_sum_gradients": optimizer_cls.__dict__.get(
-            compat._OPTIMIZER_ORIGINAL_ATTR,
-            optimizer_cls.__dict__["_all_reduce_sum_gradients"],
-        ),
-        "TensorFlowTrainer._maybe_symbolic_build": originals["_maybe_symbolic_build"],
-        "TensorFlowTrainer._make_function": originals["_make_function"],
-        "TensorFlowTrainer.train_step": originals["train_step"],
-        "Trainer._symbolic_build": base_trainer.Trainer._symbolic_build,
-        "Trainer.get_metrics_result": base_trainer.Trainer.get_metrics_result,
-        "Trainer._get_metrics_result_or_logs": base_trainer.Trainer._get_metrics_result_or_logs,
-        "reduce_per_replica": tf_trainer.reduce_per_replica,
-        "_multi_worker_concat": tf_trainer._multi_worker_concat,
-        "reduce_values": loss_module.reduce_values,
-    }
-
-
-def _sha256(fn):
-    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
-
-
-# --- Upstream guard and patch mechanics (fast) ------------------------------
-
-
-def test_upstream_code_unchanged():
-    version = keras.version()
-    current = {name: _sha256(fn) for name, fn in _upstream_functions().items()}
-    recorded = _UPSTREAM_SHA256.get(version)
-    if recorded is None:
-        pytest.fail(
-            f"keras_comm.compat has not been checked against Keras {version}. "
-            "Review the functions below against compat.py, then add to "
-            f"_UPSTREAM_SHA256 in {__file__}:\n"
-            + json.dumps({version: current}, indent=4)
-        )
-    changed = sorted(name for name in recorded if current[name] != recorded[name])
-    assert not changed, (
-        f"Keras {version} changed code that keras_comm.compat replaces or relies "
-        f"on: {changed}. Port the change into keras_comm/compat.py (or drop the "
-        "patch if upstream fixed keras-team/keras#20585), then update "
-        "_UPSTREAM_SHA256."
-    )
+# --- Patch mechanics (fast) -------------------------------------------------
 
 
 def test_installed_keras_is_supported_and_patched():
@@ -194,17 +47,17 @@ def test_installed_keras_is_supported_and_patched():
 
 
 def _current_methods():
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    methods = {name: TensorFlowTrainer.__dict__[name] for name in compat._METHODS}
-    methods["_all_reduce_sum_gradients"] = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
+    methods = {name: keras_api.current_trainer_method(name) for name in compat._METHODS}
+    methods["_all_reduce_sum_gradients"] = keras_api.current_gradient_reduction()
     return methods
 
 
 def test_apply_is_idempotent_and_revert_restores_upstream():
     patched = _current_methods()
-    upstream = _upstream_functions()
+    upstream = {
+        f"TensorFlowTrainer.{name}": keras_api.trainer_method(name) for name in compat._METHODS
+    }
+    upstream["TFOptimizer._all_reduce_sum_gradients"] = keras_api.upstream_gradient_reduction()
     try:
         assert compat.apply() is True
         assert compat.apply() is True
@@ -216,6 +69,8 @@ def test_apply_is_idempotent_and_revert_restores_upstream():
         reverted = _current_methods()
         assert reverted["train_step"] is upstream["TensorFlowTrainer.train_step"]
         assert reverted["_make_function"] is upstream["TensorFlowTrainer._make_function"]
+        assert reverted["_maybe_symbolic_build"] is upstream["TensorFlowTrainer._maybe_symbolic_build"]
+        # Bound through the class: compare the functions.
         assert (
             reverted["_all_reduce_sum_gradients"]
             is upstream["TFOptimizer._all_reduce_sum_gradients"]
@@ -328,9 +183,9 @@ def test_stock_keras_still_fails_under_mwms():
         assert worker["stock"] and "Attempt to convert a value (PerReplica" in worker["stock"], (
             "Stock Keras no longer fails building the model under MWMS "
             f"(got {worker['stock']!r}); upstream may have fixed keras-team/keras#20585: "
-            "re-evaluate keras_comm.compat._maybe_symbolic_build."
+            "re-evaluate keras_comm.training.step.symbolic_build."
         )
         assert worker["build_fixed"] and "Invalid reduction dimension" in worker["build_fixed"], (
             "Stock Keras no longer fails reducing step metrics under MWMS "
-            f"(got {worker['build_fixed']!r}); re-evaluate keras_comm.compat._make_function."
+            f"(got {worker['build_fixed']!r}); re-evaluate keras_comm.training.step.make_function."
         )

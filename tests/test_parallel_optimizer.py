@@ -166,7 +166,7 @@ def test_mixed_precision():
     ref = _reference("adamw", 2, x, y, lso=True, dtype="mixed_float16")
     # float16 forward passes over halves vs the whole batch: float16 round-off.
     assert _max_rel(model.get_weights(), ref) <= 2e-3
-    assert all(v.dtype == "float32" for v in po._engine.states[0].masters)
+    assert all(v.dtype == "float32" for v in po._engine.state.replicas[0].masters)
 
 
 def test_without_strategy_trains_as_one_replica():
@@ -175,7 +175,7 @@ def test_without_strategy_trains_as_one_replica():
     po = ParallelOptimizer(accumulation_steps=2, zero_stage=1)
     model.fit(_ds(x, y, MICRO), epochs=2, verbose=0, callbacks=[po])
     assert _max_rel(model.get_weights(), _reference("adam", 2, x, y)) <= RTOL
-    assert po._engine.num_shards == 1
+    assert po._engine.state.num_shards == 1
 
 
 def _collective_ops(function):

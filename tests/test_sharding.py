@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_comm.callbacks import _sharding as sh
+from keras_comm.training import sharding as sh
 
 
 @pytest.mark.parametrize("numel,n,expected", [(0, 2, 0), (1, 3, 1), (6, 3, 2), (7, 3, 3), (10, 4, 3)])

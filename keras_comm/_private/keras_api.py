@@ -298,19 +298,3 @@ def relied_on():
     })
     return {name: fn for name, fn in out.items() if fn is not None}
 
-
-def relied_on_attributes():
-    """Private attributes keras_comm reads (not functions: checked for presence).
-
-    Returns:
-        ``(owner description, attribute name, object to check)`` triples,
-        given a built and compiled model.
-    """
-    return (
-        "Trainer._call_has_training_arg",
-        "Trainer._loss_tracker",
-        "Trainer._distribute_strategy",
-        "Trainer._initial_epoch",
-        "BaseOptimizer._learning_rate",
-        "Variable._value",
-    )

@@ -203,6 +203,15 @@ def local_component(variable):
     return get_local() if get_local is not None else variable
 
 
+def variable_strategy(variable):
+    """The strategy a tf.Variable was created under, or None.
+
+    A distributed variable knows its strategy only privately; the sharded
+    weights' host-side export must run under it.
+    """
+    return getattr(variable, "_distribute_strategy", None)
+
+
 # --- What the version test guards --------------------------------------------
 
 

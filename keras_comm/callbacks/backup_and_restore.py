@@ -6,6 +6,7 @@ import os
 import keras
 import tensorflow as tf
 
+from keras_comm._private import keras_api
 from keras_comm.callbacks import parallel_optimizer
 
 _METADATA = "training_metadata.json"
@@ -131,7 +132,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             except OSError as e:  # missing or unreadable file: try the previous one
                 error = e
                 continue
-            self.model._initial_epoch = entry["epoch"]
+            keras_api.set_initial_epoch(self.model, entry["epoch"])
             if entry["step"]:
                 self._skip_epoch, self._skip_steps = entry["epoch"], entry["step"]
             self.restored = {"epoch": entry["epoch"], "step": entry["step"]}

@@ -8,14 +8,17 @@ import keras
 import tensorflow as tf
 
 from keras_comm import _validation
-from keras_comm import watchdog
-from keras_comm.callbacks import _engine
-from keras_comm.callbacks import _sharding
+from keras_comm.training import accumulate
+from keras_comm.training import reduction
+from keras_comm.training import sharded_state
+from keras_comm.training import sharding
+from keras_comm.training import step
 
 logger = logging.getLogger("keras_comm")
 
-# One engine (sharded state) per model, so that a second `fit` -- with the
-# same or a new callback -- continues from the same optimizer state.
+# One accumulate/shard step (and its sharded state) per model, so that a
+# second `fit` -- with the same or a new callback -- continues from the same
+# optimizer state.
 _ENGINES = weakref.WeakKeyDictionary()
 # The callback serving each model's running `fit`, for `prepare_checkpoint`.
 _ACTIVE = weakref.WeakKeyDictionary()
@@ -62,22 +65,6 @@ def _format_bytes(n):
         n /= 1024.0
 
 
-def _guarded(strategy, replica_fn, what):
-    """A compiled ``strategy.run(replica_fn)`` whose calls run under the watchdog.
-
-    Like `fit`'s steps (see keras_comm.watchdog): the collectives traced in it
-    take no per-op TensorFlow timeout, and the call as a whole is bounded.
-    """
-    fn = tf.function(lambda: strategy.run(replica_fn))
-    site = watchdog.Site(what)
-
-    def call():
-        with watchdog.guard(site):
-            return fn()
-
-    return call
-
-
 class ParallelOptimizer(keras.callbacks.Callback):
     """Gradient accumulation and ZeRO optimizer-state sharding for `model.fit`.
 
@@ -112,12 +99,13 @@ class ParallelOptimizer(keras.callbacks.Callback):
 
     Gradients are reduced here and only here, each exactly once: the model's
     own `train_step` and `optimizer.apply_gradients` are not called, and a
-    variable that carries its own reduction (`keras_comm.compat`'s
-    ``_keras_comm_reduce_gradient`` hook: sharded weights of
-    `keras_comm.parallel`, or a weight marked with
+    variable that carries its own reduction (`keras_comm.training.reduction`:
+    sharded weights of `keras_comm.parallel`, or a weight marked with
     `keras_comm.compat.mark_gradient_reduced` because a comm layer such as
     `MirrorOperator` already reduced its gradient) is reduced by its hook
-    instead of the world-wide sum and updated unsharded. An unmarked weight
+    instead of the world-wide sum and updated unsharded. The steps themselves
+    are `keras_comm.training.accumulate`'s, compiled by
+    `keras_comm.training.step`. An unmarked weight
     behind a `MirrorOperator` would be summed twice (N times too large).
 
     Checkpoints: the optimizer's own full-size slots, which Keras builds for
@@ -217,7 +205,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 "`state_bytes()` is known once `fit` has started with this "
                 "callback. Received: state_bytes() before fit"
             )
-        parts = self._engine.nbytes()
+        parts = self._engine.state.nbytes()
         return parts if breakdown else sum(parts.values())
 
     def unsharded_state_bytes(self):
@@ -226,7 +214,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         Same breakdown keys as `state_bytes(breakdown=True)`.
         """
         parts = self.state_bytes(breakdown=True)
-        layout = self._engine.layout
+        layout = self._engine.state.layout
         full, shard = sum(layout.sizes), layout.shard_total
         itemsize = 4  # every tensor the callback holds is float32
         return {
@@ -263,7 +251,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             )
         if model.optimizer is None:
             raise ValueError("ParallelOptimizer needs a compiled model. Received: optimizer=None")
-        _, inner = _engine.user_optimizers(model.optimizer)
+        _, inner = sharded_state.user_optimizers(model.optimizer)
         if getattr(inner, "gradient_accumulation_steps", None):
             raise ValueError(
                 "Use ParallelOptimizer(accumulation_steps=...) instead of the "
@@ -275,9 +263,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             raise ValueError(
                 "ParallelOptimizer does not support optimizer EMA. Received: use_ema=True"
             )
-        from keras_comm import compat
-
-        hooked = any(compat.gradient_hook(v) is not None for v in model.trainable_variables)
+        hooked = any(reduction.gradient_hook(v) is not None for v in model.trainable_variables)
         if (self.zero_stage >= 1 or hooked) and strategy.num_replicas_in_sync > 1:
             for name in ("clipnorm", "global_clipnorm"):
                 if getattr(inner, name, None):
@@ -296,27 +282,29 @@ class ParallelOptimizer(keras.callbacks.Callback):
         if engine is None or not engine.matches(
             model, self.zero_stage, self.accumulation_steps, self.dump_local_norm
         ):
-            engine = _engine.Engine(
+            engine = accumulate.AccumulateStep(
                 model, int(self.zero_stage), self.accumulation_steps, self.dump_local_norm
             )
             _ENGINES[model] = engine
         self._engine = engine
         strategy = model.distribute_strategy
-        micro = (
-            model._make_function(engine.micro_step)
-            if self.accumulation_steps > 1
-            else None
-        )
-        apply = model._make_function(engine.apply_step)
-        flush = None
-        if self.accumulation_steps > 1:
-            flush = _guarded(strategy, engine.flush_step, "ParallelOptimizer's flush step")
+        accumulating = self.accumulation_steps > 1
         self._functions = {
-            "micro": micro,
-            "apply": apply,
-            "flush": flush,
-            "gather": _guarded(strategy, engine.gather_slots, "ParallelOptimizer's slot gather"),
-            "reshard": _guarded(strategy, engine.reshard_slots, "ParallelOptimizer's reshard"),
+            "micro": step.make_function(model, engine.micro_step) if accumulating else None,
+            "apply": step.make_function(model, engine.apply_step),
+            "flush": (
+                step.compile_replica_call(
+                    strategy, engine.flush_step, "ParallelOptimizer's flush step"
+                )
+                if accumulating
+                else None
+            ),
+            "gather": step.compile_replica_call(
+                strategy, engine.gather_slots, "ParallelOptimizer's slot gather"
+            ),
+            "reshard": step.compile_replica_call(
+                strategy, engine.reshard_slots, "ParallelOptimizer's reshard"
+            ),
         }
         self._original_train_function = model.train_function
         model.train_function = self._train_function
@@ -333,7 +321,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 "optimizer state per replica: %s (1/%d of %s); gradient "
                 "accumulation buffers: %s (%s)",
                 _format_bytes(parts["optimizer"] + parts["master"]),
-                engine.num_shards,
+                engine.state.num_shards,
                 _format_bytes(full["optimizer"] + full["master"]),
                 _format_bytes(parts["accumulation"]),
                 "sharded" if self.zero_stage == 2 else "not sharded",
@@ -352,11 +340,11 @@ class ParallelOptimizer(keras.callbacks.Callback):
             self._functions["reshard"]()
             self._needs_reshard = False
         steps = self.params.get("steps") if self.params else None
-        if self._functions["micro"] is None or _sharding.is_apply_step(
+        if self._functions["micro"] is None or sharding.is_apply_step(
             self._pending, self.accumulation_steps, self._step_in_epoch, steps
         ):
-            self._engine.set_scale(
-                _sharding.accumulation_scale(self._pending + 1, self.mean)
+            self._engine.state.set_scale(
+                sharding.accumulation_scale(self._pending + 1, self.mean)
             )
             logs = self._functions["apply"](iterator)
             self._pending = 0
@@ -370,7 +358,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         self.counts["micro_steps"] += 1
         if self.dump_local_norm:
             logs = dict(logs)
-            logs.update(self._engine.local_norms())
+            logs.update(self._engine.state.local_norms())
         return logs
 
     def on_epoch_end(self, epoch, logs=None):
@@ -381,7 +369,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
 
     def _flush(self):
         if self._pending and self._functions and self._functions["flush"] is not None:
-            self._engine.set_scale(_sharding.accumulation_scale(self._pending, self.mean))
+            self._engine.state.set_scale(sharding.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
             self._pending = 0
             self._synced = False

@@ -15,6 +15,7 @@ import keras
 
 from keras_comm import _validation
 from keras_comm import topology
+from keras_comm._private import keras_api
 
 
 class CollectiveLayer(keras.layers.Layer):
@@ -99,10 +100,9 @@ def _static_shape(layer, input_shape):
     return shape
 
 
-def _tf_variable(variable):
-    # The TF (possibly distributed) variable behind a Keras variable: the ops
-    # update it inside their backward.
-    return variable.value if isinstance(variable, keras.Variable) else variable
+# The TF (possibly distributed) variable behind a Keras variable: the ops
+# update it inside their backward.
+_tf_variable = keras_api.tf_variable
 
 
 class PerReplicaAccumulator:
@@ -135,7 +135,7 @@ class PerReplicaAccumulator:
                 synchronization="on_read",
                 name=name,
             )
-        self._track_variable(variable)  # pylint: disable=protected-access
+        keras_api.track_variable(self, variable)
         return variable
 
     def _accumulator_variable(self):

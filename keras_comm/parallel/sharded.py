@@ -16,9 +16,9 @@ handle it as usual) and changes three things:
   from the seed alone and keeps its slice, so the gathered weight equals an
   unsplit layer's weight with the same seeded initializer. (The full value
   exists transiently on the host at build; the variable holds 1/N.)
-* **Gradient.** The variable carries a gradient reduction,
-  ``_keras_comm_reduce_gradient``, which `keras_comm.compat` calls instead of
-  the optimizer's world all-reduce: a SUM over the weight's *data-parallel
+* **Gradient.** The variable carries its own gradient reduction
+  (`keras_comm.training.reduction`), which the optimizer calls instead of
+  its world all-reduce: a SUM over the weight's *data-parallel
   group* (the replicas holding the same shard; nothing when there are none).
   The optimizer then applies each replica's own gradient to its own
   component (`strategy.extended.update` updates components one by one), so
@@ -46,11 +46,14 @@ import tensorflow as tf
 
 from keras_comm import ops
 from keras_comm import topology
+from keras_comm._private import keras_api
+from keras_comm._private import tf_api
 from keras_comm.parallel import _common
 from keras_comm.parallel import mesh as mesh_lib
+from keras_comm.training import reduction
 
-#: Attribute (on the tf.Variable) that keras_comm.compat's optimizer hook reads.
-REDUCE_GRADIENT_ATTR = "_keras_comm_reduce_gradient"
+#: Attribute (on the tf.Variable) that the optimizer's gradient reduction reads.
+REDUCE_GRADIENT_ATTR = reduction.GRADIENT_HOOK_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +106,7 @@ class ShardSpec:
 _specs = {}
 
 
-def _tf_variable(variable):
-    return variable._value if isinstance(variable, keras.Variable) else variable
+_tf_variable = keras_api.tf_variable
 
 
 def shard_spec(variable):
@@ -194,7 +196,7 @@ def add_sharded_weight(
     )
     tf_var = _tf_variable(variable)
     _specs[id(tf_var)] = spec
-    setattr(tf_var, REDUCE_GRADIENT_ATTR, lambda g: _reduce_gradient(spec, g, layer.name))
+    reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:
         seed = zlib.crc32(variable.path.encode()) % (2**31)
     full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
@@ -270,7 +272,7 @@ def gather_full(variable, name=None):
 
 def _strategy_of(weights):
     for w in weights:
-        strategy = getattr(_tf_variable(w), "_distribute_strategy", None)
+        strategy = tf_api.variable_strategy(_tf_variable(w))
         if strategy is not None:
             return strategy
     return tf.distribute.get_strategy()

@@ -1,6 +1,7 @@
 """Pure maths of sharded optimizer state: layout, padding, sizes, scaling, dispatch.
 
-No collectives and no Keras here: `ParallelOptimizer` wires these together.
+No collectives and no Keras here: `keras_comm.training.accumulate` wires
+these together.
 
 Every trainable variable with ``n`` elements is flattened and zero-padded to
 ``padded_size(n, N) = N * ceil(n / N)`` elements; replica ``r`` of ``N`` owns

@@ -1,0 +1,54 @@
+"""The training step: one owner that compiles it, policies that plug into it.
+
+`keras_comm.training.step` is the only code that compiles a train, test or
+flush step: the host loop of `steps_per_execution`, the fusion scope, the
+watchdog guard, the exact metric reduction and the error translation.
+`keras_comm.compat` installs it into Keras's trainer;
+`keras_comm.callbacks.ParallelOptimizer` asks it for its step functions.
+
+A *policy* decides what one replica does with one batch. Two exist:
+
+* `replicated`: every replica holds every weight; the exact replicated step
+  (`model.fit`'s default `train_step`, made exact over the global batch).
+* `accumulate`: gradient accumulation and ZeRO-1/2 sharded optimizer state
+  (`ParallelOptimizer`); its state lives in `sharded_state`, its update maths
+  in the pure `accumulate.apply_update`, its layout and packing maths in
+  `sharding` (pure Python and TensorFlow, no collectives).
+
+The plug-in contract. A policy provides replica steps, ``fn(data) -> logs``
+(or ``fn() -> tensor`` for a step without a batch), and compiles them only
+through `step.make_function(model, fn)` or
+`step.compile_replica_call(strategy, fn, what)`, never with its own
+`tf.function`. Inside a replica step a policy:
+
+1. computes gradients with `replicated.forward` (the loss made exact over
+   the global batch, loss scaling, the `Forward` record for metrics);
+2. reduces each gradient exactly once -- the world-wide sum unless the
+   variable carries its own reduction (`reduction.gradient_hook`);
+3. updates the weights;
+4. returns `Forward.metrics(model)`, computed after the update, as upstream
+   Keras does; the step owner reduces the logs across replicas.
+
+Where future policies plug in:
+
+* fully sharded parameters (ZeRO-3): a new policy whose replica step gathers
+  each layer's weights before `forward` and reduce-scatters after it, with
+  its state in a `sharded_state`-like class;
+* a pipeline executor: a policy whose replica step runs a schedule (a list
+  of forward/backward instructions) over micro-batches, compiled by
+  `step.make_function` like any other step;
+* non-trainable state sync (BatchNorm statistics): a step after step 3 of
+  the contract, in `replicated` (and `accumulate`), before the metrics;
+* gradient bucketing or compression: `reduction` (the optimizer's path,
+  `all_reduce_sum_gradients`) and `accumulate._contribution`/`_update`.
+"""
+
+from keras_comm.training import accumulate
+from keras_comm.training import metrics
+from keras_comm.training import reduction
+from keras_comm.training import replicated
+from keras_comm.training import sharded_state
+from keras_comm.training import sharding
+from keras_comm.training import step
+
+__all__ = ["accumulate", "metrics", "reduction", "replicated", "sharded_state", "sharding", "step"]

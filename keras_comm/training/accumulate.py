@@ -1,0 +1,329 @@
+"""The accumulate/shard step: gradient accumulation and ZeRO-1/2 (`ParallelOptimizer`).
+
+The replica steps `ParallelOptimizer` compiles through
+`keras_comm.training.step`. A gradient's path, top to bottom:
+
+1. `forward` (`keras_comm.training.replicated.forward`): this replica's
+   gradients, float32, zeros for None.
+2. `_contribution`: packed shard-major (`keras_comm.training.sharding`);
+   zero_stage 2 reduce-scatters it at once. A micro step adds it to the
+   accumulation buffer and stops there.
+3. `_update` (apply step, or flush at an epoch end): the accumulated sum
+   reduced over the replicas -- all-reduce (zero_stage 0), reduce-scatter
+   (zero_stage 1) or already done (zero_stage 2) -- scaled by 1/k for a mean
+   over k micro-batches; hooked variables through their own reduction
+   (`keras_comm.training.reduction`).
+4. `apply_update`: unscale and check the loss scale, clip, decay, and the
+   optimizer maths on this replica's shard of the masters. No collectives.
+5. The full weights back on every replica (one all-gather when sharded).
+
+State (masters, slots, buffers) lives in `sharded_state.ShardedState`.
+Collectives are keras_comm primitives named ``parallel_optimizer_*`` (tests
+count them in the traced graphs). Per update: zero_stage 0 one all-reduce of
+the packed gradient; zero_stage 1 one reduce-scatter plus one all-gather
+(together the bytes of one all-reduce); zero_stage 2 one reduce-scatter per
+micro-step plus one all-gather per update. Loss scaling with a sharded
+gradient adds one scalar all-reduce (the global "all finite" flag).
+"""
+
+import tensorflow as tf
+
+from keras_comm._private import keras_api
+from keras_comm.training import sharding
+from keras_comm.ops import _collective
+from keras_comm.training import replicated
+from keras_comm.training.sharded_state import ShardedState
+from keras_comm.training.sharded_state import local_variable
+from keras_comm.training.sharded_state import prod
+
+COLLECTIVE_NAME = "parallel_optimizer"
+
+
+def forward(model, data):
+    """Per-replica gradients (float32, zeros for None) and metric logs: the
+    default train step without the reduction and the update."""
+    result = replicated.forward(model, data)
+    grads = [
+        tf.zeros(v.shape, tf.float32)
+        if g is None
+        else tf.cast(tf.convert_to_tensor(g), tf.float32)
+        for g, v in zip(result.grads, model.trainable_variables)
+    ]
+    return grads, result
+
+
+def apply_update(user, inner, masters, grads, variables, whole_gradients):
+    """One optimizer update of `masters` by `grads`: the user's optimizer's rules.
+
+    Learning rate, iterations, clipping and weight decay come from `user`
+    (the user's optimizer); the slot maths from `inner` (its clone on the
+    masters). No collectives: `grads` are already reduced.
+
+    Args:
+        user: the optimizer doing the maths (inside any LossScaleOptimizer).
+        inner: its clone built on `masters`.
+        masters: float32 master variables, one per gradient.
+        grads: float32 gradients (or gradient shards), already reduced.
+        variables: the model variable of each master (for weight decay's
+            exclusion rules).
+        whole_gradients: whether `grads` are whole gradients (norm clipping
+            needs them; with shards only clipvalue applies).
+    """
+    lr = tf.cast(keras_api.current_learning_rate(user), tf.float32)
+    inner.iterations.assign(tf.cast(user.iterations, inner.iterations.dtype))
+    if whole_gradients:
+        grads = keras_api.clip_gradients(user, grads)
+    elif user.clipvalue:
+        grads = [tf.clip_by_value(g, -user.clipvalue, user.clipvalue) for g in grads]
+    if user.weight_decay:
+        wd = tf.cast(user.weight_decay, tf.float32)
+        for master, v in zip(masters, variables):
+            if keras_api.uses_weight_decay(user, v):
+                master.assign_sub(master.value * wd * lr)
+    for g, master in zip(grads, masters):
+        inner.update_step(g, master, lr)
+    local_variable(user.iterations).assign_add(1)
+    return tf.constant(True)
+
+
+def grow_loss_scale(lso):
+    """A finite step of dynamic loss scaling: count, and double every N steps."""
+    counter = local_variable(lso.step_counter)
+    scale = local_variable(lso.dynamic_scale)
+    grow = tf.equal(counter, lso.dynamic_growth_steps - 1)
+    counter.assign(tf.where(grow, tf.zeros_like(counter), counter + 1))
+    scale.assign(tf.where(grow, scale * 2.0, scale))
+
+
+def shrink_loss_scale(lso):
+    """A non-finite step of dynamic loss scaling: reset the count, halve the scale."""
+    counter = local_variable(lso.step_counter)
+    scale = local_variable(lso.dynamic_scale)
+    counter.assign(tf.zeros_like(counter))
+    scale.assign(scale * 0.5)
+    return tf.constant(False)
+
+
+class AccumulateStep:
+    """The replica steps of the accumulate/shard policy, over a `ShardedState`.
+
+    Args: those of `ShardedState`.
+    """
+
+    def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
+        self.state = ShardedState(model, zero_stage, accumulation_steps, dump_local_norm)
+
+    def matches(self, *args):
+        """Whether this step's state can serve a new fit (see `ShardedState.matches`)."""
+        return self.state.matches(*args)
+
+    # --- replica steps ------------------------------------------------------
+
+    def micro_step(self, data):
+        """Forward, backward and local accumulation: no gradient collective
+        (except zero_stage 2's reduce-scatter)."""
+        grads, result = forward(self.state.model, data)
+        replica = self.state.current()
+        self._record_norms(replica, grads)
+        packed, flat = self._contribution(grads)
+        if packed is not None:
+            replica.acc.assign_add(packed)
+        if flat is not None:
+            replica.hooked_acc.assign_add(flat)
+        return result.metrics(self.state.model)
+
+    def apply_step(self, data):
+        """Forward, backward, then reduce and apply the accumulated update."""
+        grads, result = forward(self.state.model, data)
+        replica = self.state.current()
+        self._record_norms(replica, grads)
+        packed, flat = self._contribution(grads)
+        if replica.acc is not None:
+            packed = replica.acc.read_value() + packed
+        if replica.hooked_acc is not None:
+            flat = replica.hooked_acc.read_value() + flat
+        self._update(replica, packed, flat)
+        return result.metrics(self.state.model)
+
+    def flush_step(self):
+        """Reduce and apply what is accumulated, with no new micro-batch."""
+        replica = self.state.current()
+        self._update(
+            replica,
+            replica.acc.read_value() if replica.acc is not None else None,
+            replica.hooked_acc.read_value() if replica.hooked_acc is not None else None,
+        )
+        return tf.constant(0)
+
+    # --- the gradient's path ------------------------------------------------
+
+    def _call(self):
+        return _collective.resolve(name=COLLECTIVE_NAME)
+
+    def _reduce_scatter(self, packed):
+        call = self._call()
+        if call.trivial:
+            return packed
+        return _collective.run(lambda: _collective.reduce_scatter(packed, call))
+
+    def _record_norms(self, replica, grads):
+        if replica.norms is not None:
+            replica.norms.assign(
+                tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in grads])
+            )
+
+    def _contribution(self, grads):
+        """What one micro-batch adds to the accumulation buffers:
+        ``(plain or None, hooked or None)``."""
+        s = self.state
+        plain = [grads[i] for i in s.plain_index]
+        hooked = [grads[i] for i in s.hooked_index]
+        packed = None
+        if plain:
+            packed = sharding.pack(plain, s.layout, tf.float32)
+            if s.zero_stage == 2:
+                packed = self._reduce_scatter(packed)
+        flat = None
+        if hooked:
+            flat = tf.concat([tf.reshape(g, [-1]) for g in hooked], 0)
+        return packed, flat
+
+    def _update(self, replica, contribution, hooked_contribution):
+        s = self.state
+        call = self._call()
+        for acc, c in ((replica.acc, contribution), (replica.hooked_acc, hooked_contribution)):
+            if acc is not None:
+                with tf.control_dependencies([c]):
+                    acc.assign(tf.zeros_like(acc))
+        scale = replica.scale.read_value()
+        grads = []
+        if s.variables:
+            # 1. The summed gradient, this replica's shard of it.
+            if s.zero_stage == 0:
+                if call.trivial:
+                    total = contribution
+                else:
+                    total = _collective.run(lambda: _collective.all_reduce(contribution, call))
+            elif s.zero_stage == 1:
+                total = self._reduce_scatter(contribution)
+            else:
+                total = contribution
+            shard_index = call.replica.rank if s.num_shards > 1 else 0
+            grads = sharding.split_shards(total * scale, s.layout)
+            # 2. Masters from the current weights.
+            for master, piece in zip(
+                replica.masters,
+                sharding.local_shards(
+                    [v.value for v in s.variables], s.layout, shard_index, tf.float32
+                ),
+            ):
+                master.assign(piece)
+        # Variables with their own reduction: each through its hook, whole.
+        if s.hooked:
+            pieces = tf.split(hooked_contribution, [prod(v.shape) for v in s.hooked])
+            for piece, v, hook, master in zip(
+                pieces, s.hooked, s.hooks, replica.hooked_masters
+            ):
+                reduced = hook(tf.reshape(piece, v.shape))
+                grads.append(tf.reshape(tf.cast(reduced, tf.float32), [-1]) * scale)
+                master.assign(
+                    tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1])
+                )
+        # 3. The optimizer update, on this replica's shard.
+        if s.lso is not None:
+            loss_scale = tf.cast(s.lso.dynamic_scale, tf.float32)
+            grads = [g / loss_scale for g in grads]
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+            if (s.num_shards > 1 or s.hooked) and not call.trivial:
+                flag = tf.cast(finite, tf.float32)
+                flag = _collective.run(lambda: _collective.all_reduce(flag, call, op="min"))
+                finite = flag > 0.5
+            tf.cond(
+                finite,
+                lambda: self._finite_update(replica, grads),
+                lambda: shrink_loss_scale(s.lso),
+            )
+        else:
+            self._apply(replica, grads)
+        # 4. Full weights back on every replica.
+        if s.variables:
+            if s.num_shards > 1:
+                shards = tf.concat([m.value for m in replica.masters], 0)
+                gathered = _collective.run(lambda: _collective.all_gather(shards, call))
+                new = sharding.unpack(gathered, s.layout, [v.shape for v in s.variables])
+            else:
+                new = [
+                    tf.reshape(m.value, v.shape)
+                    for m, v in zip(replica.masters, s.variables)
+                ]
+            for v, value in zip(s.variables, new):
+                _write(v, value)
+        for v, m in zip(s.hooked, replica.hooked_masters):
+            _write(v, tf.reshape(m.value, v.shape))
+
+    def _apply(self, replica, grads):
+        s = self.state
+        return apply_update(
+            s.user_inner,
+            replica.inner,
+            replica.masters + replica.hooked_masters,
+            grads,
+            s.variables + s.hooked,
+            whole_gradients=s.num_shards == 1 and not s.hooked,
+        )
+
+    def _finite_update(self, replica, grads):
+        self._apply(replica, grads)
+        grow_loss_scale(self.state.lso)
+        return tf.constant(True)
+
+    # --- checkpoint container ---------------------------------------------
+
+    def gather_slots(self):
+        """Writes every replica's slot shards into the user's full-size slots.
+
+        One all-gather (zero_stage >= 1 with several replicas); identical
+        full values on every replica afterwards. Slots of hooked variables
+        are copied whole, each replica its own.
+        """
+        s = self.state
+        sharded, whole = s.slot_pairs[s.current_index()]
+        if sharded:
+            local = tf.concat([tf.cast(slot.value, tf.float32) for slot, _, _ in sharded], 0)
+            call = self._call()
+            if s.num_shards > 1 and not call.trivial:
+                packed = _collective.run(lambda: _collective.all_gather(local, call))
+            else:
+                packed = local
+            full = sharding.unpack(packed, s.slot_layout, [u.shape for _, u, _ in sharded])
+            for (_, user, _), value in zip(sharded, full):
+                local_variable(user).assign(tf.cast(value, user.dtype))
+        for slot, user, _ in whole:
+            local_variable(user).assign(tf.cast(tf.reshape(slot.value, user.shape), user.dtype))
+        return tf.constant(0)
+
+    def reshard_slots(self):
+        """Cuts this replica's slot shards out of the user's full-size slots
+        (the inverse of `gather_slots`; no communication)."""
+        s = self.state
+        sharded, whole = s.slot_pairs[s.current_index()]
+        shard_index = self._call().replica.rank if s.num_shards > 1 else 0
+        if sharded:
+            pieces = sharding.local_shards(
+                [local_variable(u).read_value() for _, u, _ in sharded],
+                s.slot_layout,
+                shard_index,
+                tf.float32,
+            )
+            for (slot, _, _), piece in zip(sharded, pieces):
+                slot.assign(tf.cast(piece, slot.dtype))
+        for slot, user, _ in whole:
+            slot.assign(tf.cast(tf.reshape(local_variable(user).read_value(), [-1]), slot.dtype))
+        return tf.constant(0)
+
+
+def _write(v, value):
+    value = tf.cast(value, v.dtype)
+    if v.constraint is not None:
+        value = v.constraint(value)
+    local_variable(v).assign(value)

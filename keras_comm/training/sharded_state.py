@@ -1,0 +1,301 @@
+"""The sharded optimizer state behind the accumulate/shard step.
+
+State lives in plain (non-distributed) TensorFlow variables, one set per
+local replica device, created outside any strategy scope so that
+MultiWorkerMirroredStrategy neither mirrors nor broadcasts them: each
+replica keeps its own shard, and a mirrored variable would force every
+replica to hold (and the strategy to keep in sync) the same full value.
+
+* ``masters``: this replica's flat float32 shard of every trainable variable
+  (the whole variable for zero_stage 0). They are refreshed from the model's
+  weights at each update, so `set_weights`/`load_weights` between steps are
+  honoured and the model's (float32) weights stay the source of truth.
+* ``inner``: a clone of the user's optimizer built on the masters, so its
+  slots (Adam moments, momentum, ...) are shard-sized. Only its
+  ``update_step`` maths is used; learning rate, iterations, weight decay,
+  clipping and loss scaling are taken from the user's optimizer, whose own
+  state (iterations, loss scale) advances exactly as without the callback.
+* ``acc``: the gradient accumulation buffer: the packed full gradient
+  (zero_stage 0/1) or this replica's reduce-scattered shard (zero_stage 2);
+  absent when nothing is accumulated.
+
+Variables that carry their own gradient reduction
+(`keras_comm.training.reduction`: sharded weights of `keras_comm.parallel`,
+or weights marked with `mark_gradient_reduced` because a comm layer already
+reduced their gradient) are left out of the world-wide reduction and out of
+the sharding: their gradient goes through their hook once per update and
+they are updated whole, each replica on its own value (``hooked_masters``,
+``hooked_acc``).
+
+Checkpoints: the user's optimizer, built by `fit` on the model's variables,
+keeps full-size slots that the update never uses. They are the checkpoint
+container: the step's `gather_slots` all-gathers every replica's slot shards
+into them (so `save_weights`, `ModelCheckpoint` and `BackupAndRestore` save
+the real optimizer state in standard Keras format) and `reshard_slots` cuts
+this replica's shard back out of them (after a restore, whatever the worker
+count that saved it). Slots are matched by name: the clone's slot
+``kc_master_<i>_<slot>`` is the user's ``<path of variable i>_<slot>``.
+"""
+
+import concurrent.futures
+
+import keras
+import tensorflow as tf
+
+from keras_comm._private import keras_api
+from keras_comm._private import tf_api
+from keras_comm.training import sharding
+from keras_comm.training import reduction
+
+
+def local_variable(variable):
+    """The tf.Variable of `variable` (a Keras variable) on the current device."""
+    return tf_api.local_component(keras_api.tf_variable(variable))
+
+
+def outside_strategy(fn):
+    """Runs `fn()` with no tf.distribute strategy in scope.
+
+    The strategy stack is thread-local, so a fresh thread has none: variables
+    it creates are plain, per-device ones even if the caller is inside
+    ``strategy.scope()``.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
+def user_optimizers(optimizer):
+    """``(loss_scale_optimizer_or_None, optimizer_doing_the_maths)``."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, optimizer.inner_optimizer
+    return None, optimizer
+
+
+def prod(shape):
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _nbytes(v):
+    return prod(v.shape) * tf.as_dtype(v.dtype).size
+
+
+class ReplicaState:
+    """Variables one local replica holds (see the module docstring)."""
+
+    def __init__(self, device, layout, plain_index, hooked, config, acc_size, num_norms):
+        self.device = device
+        with tf.device(device):
+            self.masters = [
+                keras.Variable(
+                    tf.zeros([s], tf.float32), trainable=False, name=f"kc_master_{i}"
+                )
+                for i, s in zip(plain_index, layout.shard_sizes)
+            ]
+            self.hooked_masters = [
+                keras.Variable(
+                    tf.zeros([prod(v.shape)], tf.float32),
+                    trainable=False,
+                    name=f"kc_master_{i}",
+                )
+                for i, v in hooked
+            ]
+            self.inner = config["class"].from_config(config["config"])
+            self.inner.build(self.masters + self.hooked_masters)
+            self.acc = (
+                tf.Variable(tf.zeros([acc_size], tf.float32), trainable=False)
+                if acc_size and layout.sizes
+                else None
+            )
+            hooked_size = sum(prod(v.shape) for _, v in hooked)
+            self.hooked_acc = (
+                tf.Variable(tf.zeros([hooked_size], tf.float32), trainable=False)
+                if acc_size and hooked_size
+                else None
+            )
+            self.norms = (
+                tf.Variable(tf.zeros([num_norms], tf.float32), trainable=False)
+                if num_norms
+                else None
+            )
+            # Set by the host before an update: 1/k for a mean over k micro-batches.
+            self.scale = tf.Variable(1.0, trainable=False)
+
+    def slot_variables(self):
+        skip = {id(self.inner.iterations)}
+        lr = keras_api.learning_rate_variable(self.inner)
+        if lr is not None:
+            skip.add(id(lr))
+        return [v for v in self.inner.variables if id(v) not in skip]
+
+    def nbytes(self):
+        """Bytes by kind: optimizer slots, masters and accumulation buffer."""
+        return {
+            "optimizer": sum(_nbytes(v) for v in self.slot_variables()),
+            "master": sum(_nbytes(v) for v in self.masters + self.hooked_masters),
+            "accumulation": sum(
+                _nbytes(v) for v in (self.acc, self.hooked_acc) if v is not None
+            ),
+        }
+
+
+class ShardedState:
+    """The sharded optimizer state of one model, one `ReplicaState` per local replica.
+
+    Args:
+        model: a compiled Keras model.
+        zero_stage: 0, 1 or 2.
+        accumulation_steps: micro-batches per update.
+        dump_local_norm: keep each variable's local gradient norm.
+
+    Raises:
+        ValueError: if an optimizer slot has no same-size counterpart among
+            the user optimizer's slots (the checkpoint container).
+    """
+
+    def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
+        self.model = model
+        self.zero_stage = zero_stage
+        self.accumulation_steps = accumulation_steps
+        self.dump_local_norm = dump_local_norm
+        self.strategy = model.distribute_strategy
+        self.world = self.strategy.num_replicas_in_sync
+        self.all_variables = list(model.trainable_variables)
+        hooks = [reduction.gradient_hook(v) for v in self.all_variables]
+        self.plain_index = [i for i, h in enumerate(hooks) if h is None]
+        self.hooked_index = [i for i, h in enumerate(hooks) if h is not None]
+        self.variables = [self.all_variables[i] for i in self.plain_index]
+        self.hooked = [self.all_variables[i] for i in self.hooked_index]
+        self.hooks = [hooks[i] for i in self.hooked_index]
+        self.num_shards = self.world if zero_stage >= 1 else 1
+        self.layout = sharding.Layout(
+            tuple(prod(v.shape) for v in self.variables), self.num_shards
+        )
+        self.lso, self.user_inner = user_optimizers(model.optimizer)
+        inner = self.user_inner
+        if not inner.built:
+            with self.strategy.scope():
+                inner.build(self.all_variables)
+        config = {"class": type(inner), "config": inner.get_config()}
+        if zero_stage == 2:
+            acc_size = self.layout.shard_total if accumulation_steps > 1 else 0
+        else:
+            acc_size = self.layout.packed_size if accumulation_steps > 1 else 0
+        num_norms = len(self.all_variables) if dump_local_norm else 0
+        self.devices = self._local_devices()
+        hooked = list(zip(self.hooked_index, self.hooked))
+
+        def create():
+            return [
+                ReplicaState(d, self.layout, self.plain_index, hooked, config,
+                             acc_size, num_norms)
+                for d in self.devices
+            ]
+
+        self.replicas = outside_strategy(create)
+        self._by_device = {
+            tf_api.canonicalize_device(d): s for d, s in zip(self.devices, self.replicas)
+        }
+        self._match_slots()
+
+    def _local_devices(self):
+        if self.world == 1 and not tf.distribute.has_strategy():
+            return [tf_api.canonicalize_device(tf_api.current_device() or "/cpu:0")]
+        devices = getattr(self.strategy.extended, "worker_devices", None)
+        try:
+            devices = list(devices) if devices is not None else []
+        except RuntimeError:
+            devices = []
+        return devices or [tf_api.canonicalize_device("/cpu:0")]
+
+    def _match_slots(self):
+        """Pairs each clone slot with the user's full-size slot (by name).
+
+        Sets ``self.slot_pairs``: per local replica, ``(sharded, hooked)``
+        lists of ``(clone_slot, user_slot, variable_index)``, and
+        ``self.slot_layout``, the layout of the sharded slots.
+        """
+        user_slots = {}
+        skip = {id(self.user_inner.iterations)}
+        for v in self.user_inner.variables:
+            if id(v) not in skip:
+                user_slots[v.name] = v
+        plain = set(self.plain_index)
+        self.slot_pairs = []
+        for state in self.replicas:
+            sharded, whole = [], []
+            for slot in state.slot_variables():
+                prefix, _, rest = slot.name.partition("kc_master_")
+                index_text, _, suffix = rest.partition("_")
+                if prefix or not index_text.isdigit():
+                    raise ValueError(
+                        "ParallelOptimizer cannot tell which variable optimizer "
+                        f"slot {slot.name!r} belongs to. Received: optimizer="
+                        f"{type(self.user_inner).__name__}"
+                    )
+                i = int(index_text)
+                var = self.all_variables[i]
+                name = f"{var.path.replace('/', '_')}_{suffix}"
+                user = user_slots.get(name)
+                if user is None or tuple(user.shape) != tuple(var.shape):
+                    raise ValueError(
+                        "ParallelOptimizer keeps checkpoints in the optimizer's "
+                        "own full-size slots, and needs one slot of the "
+                        "variable's shape per slot it shards. Optimizer "
+                        f"{type(self.user_inner).__name__} has no slot "
+                        f"{name!r} of shape {tuple(var.shape)}. Received: "
+                        f"optimizer={type(self.user_inner).__name__}"
+                    )
+                (sharded if i in plain else whole).append((slot, user, i))
+            self.slot_pairs.append((sharded, whole))
+        sharded = self.slot_pairs[0][0]
+        self.slot_layout = sharding.Layout(
+            tuple(prod(self.all_variables[i].shape) for _, _, i in sharded),
+            self.num_shards,
+        )
+
+    def matches(self, model, zero_stage, accumulation_steps, dump_local_norm):
+        """Whether this state can serve a new fit with these settings."""
+        return (
+            model is self.model
+            and zero_stage == self.zero_stage
+            and (accumulation_steps > 1) == (self.accumulation_steps > 1)
+            and bool(dump_local_norm) == bool(self.dump_local_norm)
+            and model.distribute_strategy.num_replicas_in_sync == self.world
+            and [id(v) for v in model.trainable_variables]
+            == [id(v) for v in self.all_variables]
+            and [reduction.gradient_hook(v) is not None for v in model.trainable_variables]
+            == [i in set(self.hooked_index) for i in range(len(self.all_variables))]
+        )
+
+    # --- per replica (inside strategy.run) ----------------------------------
+
+    def current(self):
+        """The calling replica's `ReplicaState`."""
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        return self._by_device[tf_api.canonicalize_device(tf_api.current_device())]
+
+    def current_index(self):
+        if len(self.replicas) == 1:
+            return 0
+        return self.replicas.index(self.current())
+
+    # --- host side ----------------------------------------------------------
+
+    def set_scale(self, value):
+        for s in self.replicas:
+            s.scale.assign(value)
+
+    def local_norms(self):
+        """The first local replica's gradient norms, by variable path."""
+        norms = self.replicas[0].norms.numpy()
+        return {
+            f"local_grad_norm/{v.path}": float(n)
+            for v, n in zip(self.all_variables, norms)
+        }
+
+    def nbytes(self):
+        return self.replicas[0].nbytes()

@@ -1,0 +1,340 @@
+"""The private Keras and TensorFlow code keras_comm relies on has not changed.
+
+keras_comm reaches private Keras code only through
+`keras_comm._private.keras_api` and private TensorFlow code only through
+`keras_comm._private.tf_api`. This file guards both:
+
+- the source of every private function they name (`relied_on()`) is hashed
+  and compared with the hashes recorded below for the installed version;
+- the private attributes they read exist on real objects;
+- no other keras_comm module imports ``keras.src`` / ``tensorflow.python``
+  or reads one of those private attributes.
+
+A hash mismatch means upstream changed that code: read the new version,
+port the change into the boundary module (or the code that relies on it, named
+in its docstring), then record the new hashes here. Keras hashes were taken
+from the released wheels of each version in `compat.SUPPORTED_KERAS`
+(3.10.0, 3.11.3 and 3.12.4 also ran the in-process flows of test_compat.py).
+"""
+
+import hashlib
+import inspect
+import json
+import pathlib
+import re
+import tokenize
+
+import keras
+import pytest
+import tensorflow as tf
+
+import keras_comm  # noqa: F401  (applies compat)
+from keras_comm._private import keras_api
+from keras_comm._private import tf_api
+
+_KERAS_SHA256 = {
+    "3.10.0": {
+        "TensorFlowTrainer._maybe_symbolic_build": "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81",
+        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
+        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "330210b83242a6af0c29890c4d2ca75bba8187399727dc3eb70c37643a1b45ec",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "c1f20ee84392ea42917f1de16d1ed3a2c4c70126e5c16990f8845fad8047d5f4",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.11.3": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
+        "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.12.4": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TensorFlowTrainer._autoconvert_optionals": "693fcdb15f95b31ab984981dce280656092fd7f949180533e585b1011cf061c5",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.13.2": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "TFOptimizer._all_reduce_sum_gradients": "dd8896fa68d7950159af19848d8b41d0c5dbd0c90ae0d82361faab0a987702ba",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TensorFlowTrainer._autoconvert_optionals": "693fcdb15f95b31ab984981dce280656092fd7f949180533e585b1011cf061c5",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "9e2c2441c8d6829275d2fc040af8debfde105b5f94c00ac30e44c61e94cb7c6d",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "0b283618592624ffa746c2d9a2e8bff7570ee8f794979d7befc3ca47b88d46f8",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.14.1": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TensorFlowTrainer._autoconvert_optionals": "693fcdb15f95b31ab984981dce280656092fd7f949180533e585b1011cf061c5",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.15.0": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TensorFlowTrainer._autoconvert_optionals": "693fcdb15f95b31ab984981dce280656092fd7f949180533e585b1011cf061c5",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+    "3.15.1": {
+        "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
+        "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+        "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+        "TFOptimizer._all_reduce_sum_gradients": "953512efa56c968002e3ddf9c13f593a893cad8770391ab6c7a1c001fde513b0",
+        "TFOptimizer._backend_update_step": "00bd759c099a6b72e88785836a38006d3d197c329b14bf6e75b77339460d3bc3",
+        "TensorFlowTrainer._autoconvert_optionals": "693fcdb15f95b31ab984981dce280656092fd7f949180533e585b1011cf061c5",
+        "TFEpochIterator._get_iterator": "b986aa8a9d2264d9d07d284ec7cfcf2bd4ff6ebee6786029bb50a763603afd84",
+        "Trainer._symbolic_build": "96220cc3b88fe768bdafe5f6aabcf874b92940abae365f8f24e5df2a5e6ae49f",
+        "Trainer._compute_loss": "13153b89c765b0d6e50e8d688cdcfa0b384c29c53b3bb576e276dff7cd71369d",
+        "Trainer.get_metrics_result": "89f313bc35c1b9c1b48cfc01ed3afe11b5f83353e0d096e46ea7aaba6ff22f1d",
+        "Trainer._get_metrics_result_or_logs": "1c7ab4a2c8e618681cbebf091de56de691c84dcec0a8e3c9842693613c548cc5",
+        "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+        "_multi_worker_concat": "2137073bfe27fb922127c1fe2df6048501d78cd9fef3a6c32aadfd4a71d67974",
+        "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+        "unscale_loss_for_distribution": "3903c7ed7f69c5acb7ff4670fd5b545c664a7fa3f6510a22b2c75bac0205c90f",
+        "BaseOptimizer._get_current_learning_rate": "fa62361e208633409ca414faca3990910049bc954bfa25d8a97f761e7771b65e",
+        "BaseOptimizer._clip_gradients": "152b956e23c91ad9b78870b2e245dc09fe6f8f156235dadab9ffc72f07dd9b33",
+        "BaseOptimizer._use_weight_decay": "0e73208c5bf5328de8e2b9166959448c8da4008d6c50da5ee6af8fadd811c508",
+        "Layer._track_variable": "2f03e5ffbfe1d6629d687747549e793394d37f66a3354b49a0bfd04c66a8d680",
+        "in_symbolic_scope": "d351956ebfd03055496f7d406bcf67023f96b96d70a950b9975660e99257fff7",
+    },
+}
+
+_TENSORFLOW_SHA256 = {
+    "2.21.0": {
+        "collective_ops.all_reduce_v2": "8f204ea12fae794f1699f6b320700dbcbd9986f7aff55e9fc22b17ddb9314156",
+        "collective_ops.all_gather_v2": "19aef99a43c2a1071251c147c00a11d36cde58a3ceb4c08ac52a77573818f513",
+        "collective_ops.all_to_all_v2": "41986480d4a582e3bf8347e6d63f9e3ff643b607589203c67a385733bad0cb65",
+        "collective_ops.broadcast_send_v2": "828c833955a182cbd2eae203f021c5f2040f37111bb8bf32f0c203c428edda71",
+        "collective_ops.broadcast_recv_v2": "2c91b2ce671f2dbe66744e6105ee0ca04e9564c73049b7bda93ac0d04a703d2b",
+        "gen_collective_ops.collective_reduce_scatter_v2": "ec8047c71b9d0c1fc20942c44f602f401d0aa2b2f0251bdfc0f891e4d84b8732",
+        "Context.abort_collective_ops": "fb51ede659d90961b33badb53c77c83985288f0d81301eba09e1e344eeb7abab",
+        "FuncGraph.capture": "99fec5a8f28b4489a96ea0571abb9e52d3da39ca7eda86a799cf4c8f4332c439",
+        "FuncGraph.capture_call_time_value": "ac7e0bf8a0980800d6084f8c4cea4dfe30f0c1bd815873787bce6e98002762fb",
+        "Operation._update_input": "838669f6808a807be590449f94f8cfd423e36ec19f104c5b2ee22be7e063de4f",
+        "record.stop_recording": "3ed89958f959dd5436ba0fa70f3fd0fb711614327a1c35c35853fc85b5da7d98",
+        "device_util.current": "b1bd8cf210842672c39088cdd62157c8ba1cf4099d39e789793c15582d0ae33a",
+        "device_util.canonicalize": "0524e7daa5230886d26ff49d09aab696c680fd6162844de070df72fdebd32230",
+        "DistributedVariable._get_on_device_or_primary": "42bac83f6c128dcece08fbd0fbe640bc5c8ccbc01c14084e5059e36cc4452195",
+        "PerReplica": "53cab5d218a50ed9920f6cb5871c5ca59e3a20ceee1791861a0e5fd76a72694b",
+    },
+}
+
+
+def _sha256(fn):
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+
+
+def _check(recorded_by_version, version, functions, boundary):
+    current = {name: _sha256(fn) for name, fn in functions.items()}
+    recorded = recorded_by_version.get(version)
+    if recorded is None:
+        pytest.fail(
+            f"keras_comm has not been checked against version {version}. Review "
+            f"the functions below against {boundary}, then record in {__file__}:\n"
+            + json.dumps({version: current}, indent=4)
+        )
+    missing = sorted(set(current) - set(recorded))
+    changed = sorted(n for n in current if n in recorded and current[n] != recorded[n])
+    assert not missing and not changed, (
+        f"Version {version}: private code keras_comm relies on changed: {changed}; "
+        f"not yet recorded: {missing}. Port the change into {boundary} (and the "
+        "code relying on it), then update the recorded hashes:\n"
+        + json.dumps({n: current[n] for n in changed + missing}, indent=4)
+    )
+
+
+def test_keras_private_functions_unchanged():
+    _check(_KERAS_SHA256, keras.version(), keras_api.relied_on(), "keras_comm/_private/keras_api.py")
+
+
+def test_tensorflow_private_functions_unchanged():
+    _check(
+        _TENSORFLOW_SHA256, tf.__version__, tf_api.relied_on(), "keras_comm/_private/tf_api.py"
+    )
+
+
+def test_every_supported_keras_version_is_recorded():
+    low, high = keras_comm.compat.SUPPORTED_KERAS
+    minors = {tuple(int(p) for p in v.split(".")[:2]) for v in _KERAS_SHA256}
+    wanted = {(low[0], m) for m in range(low[1], high[1])}
+    assert wanted <= minors, f"no hashes for Keras {sorted(wanted - minors)}"
+
+
+def test_private_keras_attributes_exist():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert keras_api.call_has_training_arg(model) in (True, False)
+    assert keras_api.model_strategy(model) is None  # no strategy at compile
+    assert isinstance(keras_api.tf_variable(model.weights[0]), tf.Variable)
+    assert keras_api.learning_rate_variable(model.optimizer) is not None
+    model.fit(tf.zeros([4, 3]), tf.zeros([4, 2]), verbose=0)
+    assert model._loss_tracker.result() is not None  # what track_loss updates
+    keras_api.set_initial_epoch(model, None)  # fit reads it back: must exist
+    assert "_initial_epoch" in vars(model)
+    assert float(keras_api.current_learning_rate(model.optimizer)) == pytest.approx(0.1)
+
+
+def test_private_tensorflow_attributes_exist():
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert tf_api.communication_implementation(strategy) in ("auto", "ring", "nccl")
+    assert strategy.extended._communication_options is not None  # what it reads
+
+    def replica():
+        return tf_api.replica_id(tf.distribute.get_replica_context())
+
+    ids = strategy.experimental_local_results(strategy.run(replica))
+    assert [int(i) for i in ids] == list(range(strategy.num_replicas_in_sync))
+    with strategy.scope():
+        variable = tf.Variable(1.0)
+    assert tf_api.local_component(variable) is not variable
+
+
+# Private names only the boundary modules may use: imports, and the private
+# attributes the boundary reads (each behind a named function there).
+_PRIVATE_ATTRS = (
+    "_value", "_id", "_update_input", "_replica_id_in_sync_group",
+    "_communication_options", "_get_on_device_or_primary", "_track_variable",
+    "_initial_epoch", "_compute_loss", "_loss_tracker", "_call_has_training_arg",
+    "_make_function", "_maybe_symbolic_build", "_get_current_learning_rate",
+    "_clip_gradients", "_use_weight_decay", "_learning_rate", "_distribute_strategy",
+    "_symbolic_build", "_value_specs", "_get_iterator", "_all_reduce_sum_gradients",
+    "_autoconvert_optionals",
+)
+_PRIVATE_CODE = re.compile(
+    r"keras \. src|tensorflow \. python|\. (" + "|".join(_PRIVATE_ATTRS) + r")\b"
+)
+
+
+def _private_uses(path):
+    """(line, text) of private accesses in code (not docstrings or comments)."""
+    found = []
+    with open(path, "rb") as f:
+        tokens = list(tokenize.tokenize(f.readline))
+    lines = pathlib.Path(path).read_text().splitlines()
+    code_lines = {}
+    for tok in tokens:
+        if tok.type == tokenize.STRING:
+            # getattr(obj, "_private_name") counts; prose does not.
+            reflective = re.search(r"\b(get|set|has)attr\(", tok.line)
+            if reflective and tok.string.strip("\"'") in _PRIVATE_ATTRS:
+                found.append((tok.start[0], tok.line.strip()))
+        elif tok.type not in (tokenize.COMMENT, tokenize.ENCODING):
+            code_lines.setdefault(tok.start[0], []).append(tok.string)
+    for number, parts in code_lines.items():
+        text = " ".join(parts)
+        if _PRIVATE_CODE.search(text):
+            found.append((number, lines[number - 1].strip()))
+    return sorted(found)
+
+
+def test_only_the_boundary_modules_touch_private_apis():
+    package = pathlib.Path(keras_comm.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "_private":
+            continue
+        for number, text in _private_uses(path):
+            offenders.append(f"{path.relative_to(package.parent)}:{number}: {text}")
+    assert not offenders, (
+        "Private Keras/TensorFlow access outside keras_comm/_private (add a named "
+        "function to keras_api.py or tf_api.py and call it):\n" + "\n".join(offenders)
+    )
+
+
+def test_the_boundary_check_sees_private_access(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        '"""Mentions model._loss_tracker in prose only."""\n'
+        "from tensorflow.python.ops import collective_ops\n"
+        "x = model._loss_tracker  # a comment about ._value\n"
+        'y = getattr(v, "_distribute_strategy", None)\n'
+    )
+    assert [n for n, _ in _private_uses(sample)] == [2, 3, 4]
