@@ -9,10 +9,13 @@ group of ranks and the timeout, and say what to do:
 
 * in **eager** execution keras_comm translates errors itself, where the
   collective runs;
-* around **compiled** functions (`model.fit`, `tf.function`), TensorFlow
-  raises from the function call. Wrap the call with `collective_errors()`
-  (a context manager and decorator), or pass `CollectiveErrors()` to
-  `model.fit(callbacks=...)`.
+* the steps keras_comm compiles (`model.fit` and `evaluate` under
+  MultiWorkerMirroredStrategy, `ParallelOptimizer`'s; see
+  `keras_comm.training.step`) translate their errors too;
+* around other **compiled** functions (your own `tf.function`, Keras's
+  steps under other strategies), TensorFlow raises from the function call.
+  Wrap the call with `collective_errors()` (a context manager and
+  decorator), or pass `CollectiveErrors()` to `model.fit(callbacks=...)`.
 
 Translated errors keep TensorFlow's exception class (`except
 tf.errors.DeadlineExceededError` still works) and chain the original.
@@ -220,6 +223,10 @@ class CollectiveErrors(keras.callbacks.Callback):
 
     Wraps the model's compiled step functions for the duration of the call,
     so an error raised by a keras_comm collective names its layer and group.
+    The steps keras_comm compiles already translate (see
+    `keras_comm.training.step`); this covers the others (`predict`, and
+    strategies whose steps Keras compiles), and translating twice changes
+    nothing.
     """
 
     def _wrap(self):

@@ -1,4 +1,5 @@
-"""Pure maths of ParallelOptimizer's sharding: no strategy, no cluster."""
+"""Pure maths of ParallelOptimizer's sharding (keras_comm.training.sharding):
+no strategy, no cluster."""
 
 import numpy as np
 import pytest
@@ -20,7 +21,6 @@ def test_shard_bounds_cover_the_variable_once():
     for r in range(n):
         start, stop = sh.shard_bounds(numel, n, r)
         covered.extend(i for i in range(start, stop) if i < numel)
-        assert sh.real_elements(numel, n, r) == len([i for i in range(start, stop) if i < numel])
     assert covered == list(range(numel))
 
 
@@ -36,8 +36,24 @@ def test_layout_sizes_and_padding():
     assert layout.shard_total == 5
     assert layout.packed_size == 20
     # Replica 3 holds element 9 of the first variable and nothing else.
-    assert layout.padding(3) == 2 + 1 + 1
-    assert layout.padding(0) == 0
+    assert _padding(layout, 3) == 2 + 1 + 1
+    assert _padding(layout, 0) == 0
+
+
+def _padding(layout, index):
+    """Padding elements in replica `index`'s chunk of a packed buffer of ones."""
+    ones = [tf.ones([n]) for n in layout.sizes]
+    chunk = tf.reshape(sh.pack(ones, layout), [layout.num_shards, -1])[index]
+    return int(tf.size(chunk)) - int(tf.math.count_nonzero(chunk))
+
+
+def test_real_elements_per_shard():
+    numel, n = 10, 4
+    layout = sh.Layout((numel,), n)
+    for r in range(n):
+        start, stop = sh.shard_bounds(numel, n, r)
+        real = len([i for i in range(start, stop) if i < numel])
+        assert layout.shard_sizes[0] - _padding(layout, r) == real
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -99,5 +115,5 @@ def test_dispatch_windows(steps, acc, expected):
 
 def test_state_elements():
     # Two slots (e.g. Adam) of variables with 10 and 3 elements over 4 shards.
-    assert sh.state_elements((10, 3), 4, 2) == 2 * (3 + 1)
-    assert sh.state_elements((10, 3), 1, 2) == 2 * 13
+    assert 2 * sh.Layout((10, 3), 4).shard_total == 2 * (3 + 1)
+    assert 2 * sh.Layout((10, 3), 1).shard_total == 2 * 13

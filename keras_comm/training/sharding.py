@@ -46,12 +46,6 @@ def shard_bounds(numel, num_shards, index):
     return index * s, (index + 1) * s
 
 
-def real_elements(numel, num_shards, index):
-    """How many of shard `index`'s elements are real (not padding)."""
-    start, stop = shard_bounds(numel, num_shards, index)
-    return max(0, min(stop, numel) - start)
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a list of variables is sharded over `num_shards` replicas.
@@ -85,13 +79,6 @@ class Layout:
         """Elements of the packed buffer, ``N * S``."""
         return self.num_shards * self.shard_total
 
-    def padding(self, index):
-        """Padding elements in replica `index`'s shards."""
-        return sum(
-            shard_size(n, self.num_shards) - real_elements(n, self.num_shards, index)
-            for n in self.sizes
-        )
-
 
 def accumulation_scale(seen, mean=True):
     """Factor applied to a sum of `seen` micro-batch gradients.
@@ -120,12 +107,6 @@ def is_apply_step(pending, accumulation_steps, step_in_epoch, steps_per_epoch):
     if pending + 1 >= accumulation_steps:
         return True
     return steps_per_epoch is not None and step_in_epoch + 1 >= steps_per_epoch
-
-
-def state_elements(sizes, num_shards, tensors_per_variable):
-    """Elements one replica holds for `tensors_per_variable` sharded tensors."""
-    layout = Layout(tuple(sizes), num_shards)
-    return tensors_per_variable * layout.shard_total
 
 
 # --- Packing (TensorFlow, no communication) ----------------------------------
