@@ -1,0 +1,111 @@
+"""No function is traced again after `fit`'s first epoch (issue 18).
+
+Every graph TensorFlow builds goes through `func_graph_from_py_func`; these
+tests record each call with the epoch it happened in. In the first epoch the
+train and test steps are traced (twice each at most: the full batch, then the
+partial last batch with an unknown batch size). After it, the only graphs
+built are the functions of the input iterator Keras creates for each epoch
+(`tf.data`'s multi-device iterator traces its per-device generator functions
+on creation) -- never a step, a metric reduction or a keras_comm function.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import func_graph
+
+import keras_comm  # noqa: F401  (applies compat)
+from conftest import make_strategy
+
+EPOCHS = 4
+# What `tf.data`'s MultiDeviceIterator (multi_device_iterator_ops.py) traces
+# each time Keras creates an iterator over a distributed dataset.
+_PER_ITERATOR = {
+    f"{prefix}{part}_func"
+    for prefix in ("_", "_remote_")
+    for part in ("init", "next", "finalize")
+}
+
+
+class _TraceLog(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch = "before fit"
+        self.traces = collections.defaultdict(list)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def record(self, name):
+        self.traces[self.epoch].append(name)
+
+
+class _TracesEveryEpoch(keras.callbacks.Callback):
+    # A function built anew each epoch: what the check must catch.
+    def on_epoch_end(self, epoch, logs=None):
+        tf.function(lambda: tf.constant(epoch))()
+
+
+def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
+    log = _TraceLog()
+    original = func_graph.func_graph_from_py_func
+
+    def recording(name, python_func, *args, **kwargs):
+        log.record(name)
+        return original(name, python_func, *args, **kwargs)
+
+    monkeypatch.setattr(func_graph, "func_graph_from_py_func", recording)
+    rng = np.random.default_rng(0)
+    # 100 samples in batches of 16: 6 full batches and a partial one, so the
+    # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
+    x = rng.normal(size=(100, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(100,))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    model.fit(
+        data,
+        validation_data=data,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=[log, *extra_callbacks],
+    )
+    return log.traces
+
+
+def _check(traces):
+    first = traces[0]
+    assert any("one_step_on_data" in name for name in first), first
+    later = [traces[epoch] for epoch in range(1, EPOCHS)]
+    for epoch, epoch_traces in enumerate(later, start=1):
+        others = [name for name in epoch_traces if name not in _PER_ITERATOR]
+        assert others == [], f"traced in epoch {epoch}: {others}"
+    # Every later epoch builds exactly the same (per-iterator) graphs.
+    assert all(sorted(t) == sorted(later[0]) for t in later), later
+
+
+def test_no_retrace_after_first_epoch_single_process(monkeypatch):
+    _check(_fit_logging_traces(monkeypatch, tf.distribute.get_strategy()))
+
+
+@pytest.mark.parametrize("num_replicas", [2])
+def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
+    _check(_fit_logging_traces(monkeypatch, make_strategy(num_replicas)))
+
+
+def test_check_catches_a_function_traced_every_epoch(monkeypatch):
+    traces = _fit_logging_traces(
+        monkeypatch, tf.distribute.get_strategy(), [_TracesEveryEpoch()]
+    )
+    with pytest.raises(AssertionError, match="traced in epoch 1"):
+        _check(traces)
