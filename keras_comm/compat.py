@@ -147,6 +147,10 @@ def apply():
         "train_step": replicated.train_step,
     })
     keras_api.install_gradient_reduction(reduction.all_reduce_sum_gradients)
+    # Sharded optimizer slots saved full-size: keras_comm.parallel._checkpoint.
+    from keras_comm.parallel import _checkpoint
+
+    _checkpoint.apply()
     return True
 
 
@@ -160,3 +164,6 @@ def revert():
         return
     keras_api.restore_trainer_methods()
     keras_api.restore_gradient_reduction()
+    from keras_comm.parallel import _checkpoint
+
+    _checkpoint.revert()

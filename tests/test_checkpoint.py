@@ -12,6 +12,7 @@ from conftest import make_strategy
 
 
 from keras_comm import compat
+from keras_comm import parallel as P
 from keras_comm.callbacks import BackupAndRestore
 from keras_comm.callbacks import ParallelOptimizer
 from keras_comm.layers import MirrorOperator
@@ -150,6 +151,108 @@ def test_backup_keeps_the_previous_file_on_double_checkpoint(tmp_path):
 def test_backup_invalid_save_freq(tmp_path, kwargs):
     with pytest.raises(ValueError, match="Received: save_freq="):
         BackupAndRestore(str(tmp_path), **kwargs)
+
+
+# --- sharded weights in files: full-size on disk -----------------------------
+
+
+def _sharded_model(kind, strategy=None):
+    keras.utils.set_random_seed(1)
+    with strategy.scope() if strategy is not None else _null():
+        if kind == "tp":
+            layers = [keras.Input((5,)), P.ColumnParallelDense(8, activation="tanh", seed=2),
+                      P.RowParallelDense(3, seed=3)]
+        else:
+            layers = [keras.Input((3,), dtype="int32"), P.ParallelEmbedding(8, 4, seed=1),
+                      P.MixtureOfExperts(4, 4, top_k=2, capacity_factor=2.0, seed=5),
+                      keras.layers.Flatten(), keras.layers.Dense(3)]
+        model = keras.Sequential(layers)
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _sharded_data(kind):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5)) if kind == "tp" else rng.integers(0, 8, size=(32, 3))
+    return x.astype("float32" if kind == "tp" else "int32"), rng.normal(size=(32, 3)).astype("float32")
+
+
+def _components(variables):
+    return [c.numpy() for v in variables for c in getattr(v.value, "values", [v.value])]
+
+
+def _full_optimizer_state(model):
+    # The unsplit optimizer's slots from the split one's: every slot of a
+    # sharded weight concatenated along that weight's shard axis.
+    from keras_comm.parallel import _checkpoint
+
+    specs = _checkpoint.optimizer_slot_specs(model.optimizer)
+    return [
+        np.asarray(v) if spec is None
+        else np.concatenate([c.numpy() for c in v.value.values], spec.shard_axis)
+        for v, spec in zip(model.optimizer.variables, specs)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["tp", "emb_moe"])
+def test_sharded_state_files_are_full_size(tmp_path, kind):
+    # Fails before full-size files: each file held the first replica's
+    # shard, so a reload gave every replica shard 0 and the unsplit model
+    # could not load it.
+    strategy = make_strategy(2)
+    x, y = _sharded_data(kind)
+    model = _sharded_model(kind, strategy)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    full = P.full_weights(model)
+    full_optimizer = _full_optimizer_state(model)
+    weights_path, keras_path = str(tmp_path / "m.weights.h5"), str(tmp_path / "m.keras")
+    model.save_weights(weights_path)
+    model.save(keras_path)
+
+    # The same cluster size: every replica gets its own shard back.
+    for load in ("weights", "keras"):
+        if load == "weights":
+            loaded = _sharded_model(kind, strategy)
+            loaded.load_weights(weights_path)
+        else:
+            with strategy.scope():
+                loaded = keras.models.load_model(keras_path)
+        assert _max_rel(_components(loaded.weights), _components(model.weights)) == 0.0
+        assert _max_rel(_components(loaded.optimizer.variables),
+                        _components(model.optimizer.variables)) == 0.0
+
+    # Another size (one replica, no strategy): the standard full weights.
+    for load in ("weights", "keras"):
+        if load == "weights":
+            single = _sharded_model(kind)
+            single.load_weights(weights_path)
+        else:
+            single = keras.models.load_model(keras_path)
+        assert _max_rel(single.get_weights(), full) == 0.0
+        assert _max_rel(single.optimizer.variables, full_optimizer) == 0.0
+
+    # And back: a file written by the single replica, loaded by two.
+    single_path = str(tmp_path / "single.weights.h5")
+    single.save_weights(single_path)
+    again = _sharded_model(kind, strategy)
+    again.load_weights(single_path)
+    assert _max_rel(_components(again.weights), _components(model.weights)) == 0.0
+    assert _max_rel(_components(again.optimizer.variables),
+                    _components(model.optimizer.variables)) == 0.0
+
+
+def test_shard_sized_file_is_refused(tmp_path):
+    # A file holding one shard (as each worker wrote before) must not be
+    # loaded into every replica.
+    keras.utils.set_random_seed(1)
+    shard = keras.Sequential([keras.Input((5,)), P.ColumnParallelDense(4, seed=2)])
+    path = str(tmp_path / "shard.weights.h5")
+    shard.save_weights(path)
+    with make_strategy(2).scope():
+        model = keras.Sequential([keras.Input((5,)), P.ColumnParallelDense(8, seed=2)])
+    with pytest.raises(ValueError, match=r"holds one shard.*Received: value of shape \(5, 4\)"):
+        model.load_weights(path)
 
 
 # --- each gradient reduced exactly once ------------------------------------

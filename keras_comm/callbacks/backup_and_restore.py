@@ -2,6 +2,8 @@
 
 import json
 import os
+import shutil
+import tempfile
 
 import keras
 import tensorflow as tf
@@ -189,6 +191,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if step and steps and step >= steps:
             epoch, step = epoch + 1, 0
         if not self._is_chief():
+            # Sharded weights are gathered while saving (a collective), so
+            # every worker saves; the others' files are dropped.
+            tmp = tempfile.mkdtemp(prefix="keras_comm_backup_")
+            try:
+                self.model.save_weights(os.path.join(tmp, "ckpt.weights.h5"))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
             return
         tf.io.gfile.makedirs(self.backup_dir)
         old = self._read_metadata()

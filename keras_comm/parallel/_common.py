@@ -73,6 +73,18 @@ class ParallelLayer(CollectiveLayer):
     def weight_seed(self, offset):
         return None if self.seed is None else self.seed + offset
 
+    # Sharded weights are saved full-size and loaded as this replica's slice
+    # (keras_comm.parallel._checkpoint); saving gathers, so every worker saves.
+    def save_own_variables(self, store):
+        from keras_comm.parallel import _checkpoint
+
+        _checkpoint.save_layer(self, store)
+
+    def load_own_variables(self, store):
+        from keras_comm.parallel import _checkpoint
+
+        _checkpoint.load_layer(self, store)
+
     def get_config(self):
         config = super().get_config()
         config.update(

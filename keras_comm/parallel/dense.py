@@ -216,6 +216,25 @@ class RowParallelDense(_common.ParallelLayer):
             y = y + self.bias
         return self.activation(y)
 
+    def get_build_config(self):
+        config = super().get_build_config()
+        if config and self.input_is_parallel and self.built:
+            # The input is 1/n of the full input dim for the group size n at
+            # build; record the full dim so a model saved by one cluster size
+            # is rebuilt (`keras.models.load_model`) in another.
+            config["full_input_dim"] = sharded.shard_spec(self.kernel).full_shape[0]
+        return config
+
+    def build_from_config(self, config):
+        full = (config or {}).get("full_input_dim")
+        if full is not None and "input_shape" in config:
+            n = self.group_size()
+            _common.check_divisible(full, n, "input_dim", f"{self.axis!r} group")
+            shape = list(config["input_shape"])
+            shape[-1] = full // n
+            config = dict(config, input_shape=tuple(shape))
+        super().build_from_config(config)
+
     def compute_output_shape(self, input_shape):
         batch = None if self.input_is_parallel else input_shape[0]
         return (batch,) + tuple(input_shape[1:-1]) + (self.units,)

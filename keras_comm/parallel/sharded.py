@@ -31,10 +31,14 @@ local, not global). `keras_comm.callbacks.ParallelOptimizer` honours the
 reduction: sharded weights skip its world-wide reduction and ZeRO sharding,
 go through their own reduction once per update and are updated whole.
 
-Saving: `model.save_weights` / `model.save` write each worker's own
-component (its shard), so with one replica per worker each worker saves and
-restores its shard to a path of its own. With several replicas in one
-process use `process_shards` / `assign_process_shards`, or `full_weights`.
+Saving: `model.save_weights` / `model.save` write every sharded weight (and
+the optimizer slots of one) FULL-size, gathered from the shards, and loading
+gives each replica its slice (`keras_comm.parallel._checkpoint`). A file is
+thus what the unsplit model holds and loads on any cluster size whose group
+sizes divide the split dimensions. Saving gathers (a collective): under
+MultiWorkerMirroredStrategy every worker saves, the chief to the real path
+and the others to a path of their own. Per-replica access in one process:
+`process_shards` / `assign_process_shards`, or `full_weights`.
 """
 
 import dataclasses

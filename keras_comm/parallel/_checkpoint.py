@@ -1,0 +1,218 @@
+"""Sharded weights in Keras files: full-size on disk, one shard in memory.
+
+Keras writes a layer's state with `Layer.save_own_variables(store)` and an
+optimizer's with `Optimizer.save_own_variables(store)`, one array per
+variable; under MultiWorkerMirroredStrategy that array is the calling
+worker's component. For a sharded weight (and the optimizer slots of one,
+which the optimizer updates shard by shard) that is one shard only, so a
+file written by one worker silently gives every worker that worker's shard
+when loaded. Here every sharded variable is written as its FULL value and
+read back as the loading replica's slice:
+
+* **Save** gathers the shards over the weight's model group (a collective:
+  every worker must save -- the chief to the real path, the others to a path
+  of their own, as with any MultiWorkerMirroredStrategy checkpoint).
+* **Load** is local: each replica cuts its own slice out of the full value.
+
+So a file holds exactly what an unsplit model holds: the same model built
+without a strategy (one shard per weight) loads it, and a cluster of another
+size loads it as long as its group sizes divide the split dimensions. A
+file holding one shard (written per worker by keras_comm 0.1 before this
+format) is refused with an error rather than loaded into every replica.
+
+`ParallelLayer` calls `save_layer` / `load_layer`; `apply` installs the
+optimizer side on Keras's TensorFlow optimizer (called by
+`keras_comm.compat.apply`).
+"""
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from keras_comm.parallel import _common
+from keras_comm.parallel import sharded
+
+# Per owner (layer or optimizer): (variables' ids, compiled gather function).
+_GATHERS = weakref.WeakKeyDictionary()
+_ORIGINALS_ATTR = "_keras_comm_checkpoint_originals"
+
+
+def _needs_gather(pairs, strategy):
+    return strategy.num_replicas_in_sync > 1 and any(
+        spec is not None and spec.num_shards > 1 for _, spec in pairs
+    )
+
+
+def _gather(owner, pairs):
+    """Full numpy values of `pairs` ``[(variable, spec or None)]``.
+
+    A collective over every replica when any variable is split: all workers
+    must call it with the same variables, in the same order.
+    """
+    strategy = sharded._strategy_of([v for v, _ in pairs])
+    if not _needs_gather(pairs, strategy):
+        return [np.asarray(v.numpy()) for v, _ in pairs]
+    sharded_pairs = [(v, s) for v, s in pairs if s is not None and s.num_shards > 1]
+    key = tuple(id(sharded._tf_variable(v)) for v, _ in sharded_pairs)
+    cached = _GATHERS.get(owner)
+    if cached is None or cached[0] != key:
+
+        def replica_fn():
+            return [
+                _common.gather_along(
+                    tf.convert_to_tensor(sharded._tf_variable(v)),
+                    s.shard_axis,
+                    s.model_group(),
+                    name="checkpoint_gather",
+                )
+                for v, s in sharded_pairs
+            ]
+
+        fn = tf.function(lambda: strategy.run(replica_fn))
+        _GATHERS[owner] = cached = (key, fn)
+    with strategy.scope():
+        gathered = iter(
+            np.asarray(strategy.experimental_local_results(t)[0]) for t in cached[1]()
+        )
+    return [
+        next(gathered) if s is not None and s.num_shards > 1 else np.asarray(v.numpy())
+        for v, s in pairs
+    ]
+
+
+def _assign(variable, spec, value, owner_name):
+    if spec is None:
+        variable.assign(value)
+        return
+    value = np.asarray(value)
+    if tuple(value.shape) != spec.full_shape:
+        hint = ""
+        if tuple(value.shape) == spec.shard_shape:
+            hint = (
+                " The file holds one shard: it was written per worker by an "
+                "older keras_comm. Files now hold full-size weights: save them "
+                "again from the cluster that wrote them (every worker calling "
+                "save) or assign the shards with "
+                "`keras_comm.parallel.assign_process_shards`."
+            )
+        raise ValueError(
+            f"{owner_name}: variable {variable.path!r} is split into "
+            f"{spec.num_shards} shards of a full weight of shape "
+            f"{spec.full_shape}, and a file must hold the full weight.{hint} "
+            f"Received: value of shape {tuple(value.shape)}"
+        )
+    comps = sharded._components(variable)
+    strategy = sharded._strategy_of([variable])
+    with tf.init_scope(), strategy.scope():
+        for rank, comp in zip(sharded._local_ranks(len(comps), strategy), comps):
+            comp.assign(tf.cast(spec.slice(value, spec.shard_index(rank)), comp.dtype))
+
+
+def _layer_variables(layer):
+    # Keras's order (Layer.save_own_variables).
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def save_layer(layer, store):
+    """`Layer.save_own_variables` for layers with sharded weights."""
+    variables = _layer_variables(layer)
+    pairs = [(v, sharded.shard_spec(v)) for v in variables]
+    for i, value in enumerate(_gather(layer, pairs)):
+        store[str(i)] = value
+
+
+def load_layer(layer, store):
+    """`Layer.load_own_variables` for layers with sharded weights."""
+    variables = _layer_variables(layer)
+    if len(store.keys()) != len(variables):
+        raise ValueError(
+            f"Layer {layer.name!r} has {len(variables)} variables and the "
+            "file must hold as many (was the file written by another "
+            f"architecture, or the layer not built?). Received: "
+            f"{len(store.keys())} saved variables"
+        )
+    for i, v in enumerate(variables):
+        _assign(v, sharded.shard_spec(v), store[str(i)], f"Layer {layer.name!r}")
+
+
+def optimizer_slot_specs(optimizer):
+    """``[spec or None]`` per `optimizer.variables`: slots of sharded weights.
+
+    Keras names a slot after its weight (``add_variable_from_reference``:
+    ``<weight path with _>_<slot>``) and gives it the weight's shape, so a
+    slot of a sharded weight holds that weight's shard on each replica.
+    """
+    references = []
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None:
+            references += list(getattr(opt, "_trainable_variables", []))
+    prefixes = [
+        (v.path.replace("/", "_") + "_", sharded.shard_spec(v))
+        for v in references
+        if sharded.is_sharded(v)
+    ]
+    specs = []
+    for variable in optimizer.variables:
+        matches = [
+            (len(prefix), spec)
+            for prefix, spec in prefixes
+            if variable.name.startswith(prefix) and tuple(variable.shape) == spec.shard_shape
+        ]
+        specs.append(max(matches, key=lambda m: m[0])[1] if matches else None)
+    return specs
+
+
+def _save_optimizer(self, store):
+    specs = optimizer_slot_specs(self)
+    if not any(specs):
+        return _original("save_own_variables")(self, store)
+    pairs = list(zip(self.variables, specs))
+    for i, value in enumerate(_gather(self, pairs)):
+        store[str(i)] = value
+
+
+def _load_optimizer(self, store):
+    specs = optimizer_slot_specs(self)
+    if not any(specs) or len(store.keys()) != len(self.variables):
+        # Keras's own handling, including its warning for a count mismatch.
+        return _original("load_own_variables")(self, store)
+    for i, (v, spec) in enumerate(zip(self.variables, specs)):
+        _assign(v, spec, store[str(i)], f"Optimizer {self.name!r}")
+
+
+def _optimizer_class():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def _original(name):
+    return getattr(_optimizer_class(), _ORIGINALS_ATTR)[name][0]
+
+
+def apply():
+    """Makes Keras's TensorFlow optimizer save sharded slots full-size."""
+    cls = _optimizer_class()
+    if _ORIGINALS_ATTR in cls.__dict__:
+        return
+    # (the function to call, whether the class itself defined it)
+    setattr(cls, _ORIGINALS_ATTR, {
+        name: (getattr(cls, name), name in cls.__dict__)
+        for name in ("save_own_variables", "load_own_variables")
+    })
+    cls.save_own_variables = _save_optimizer
+    cls.load_own_variables = _load_optimizer
+
+
+def revert():
+    cls = _optimizer_class()
+    originals = cls.__dict__.get(_ORIGINALS_ATTR)
+    if originals is None:
+        return
+    for name, (function, own) in originals.items():
+        if own:
+            setattr(cls, name, function)
+        else:
+            delattr(cls, name)
+    delattr(cls, _ORIGINALS_ATTR)
