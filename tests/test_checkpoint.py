@@ -130,21 +130,75 @@ def test_backup_resumes_at_the_step(tmp_path, parallel):
     assert not tf.io.gfile.exists(backup_dir)  # removed once fit completed
 
 
-def test_backup_keeps_the_previous_file_on_double_checkpoint(tmp_path):
+def _interrupted_backup(backup_dir, double_checkpoint=True):
     x, y = _data()
-    backup_dir = tmp_path / "backup"
-    model = _model(make_strategy(2))
     with pytest.raises(RuntimeError):
-        model.fit(_ds(x, y), epochs=2, verbose=0,
-                  callbacks=[_Interrupt(9), BackupAndRestore(str(backup_dir), save_freq=4,
-                                                             double_checkpoint=True)])
-    assert sorted(p.name for p in backup_dir.glob("ckpt-*")) == [
-        "ckpt-0-4.weights.h5", "ckpt-1-2.weights.h5"
-    ]
-    (backup_dir / "ckpt-1-2.weights.h5").write_bytes(b"torn")
+        _model(make_strategy(2)).fit(
+            _ds(x, y), epochs=2, verbose=0,
+            callbacks=[_Interrupt(9), BackupAndRestore(str(backup_dir), save_freq=4,
+                                                       double_checkpoint=double_checkpoint)])
+
+
+def _resume(backup_dir):
+    x, y = _data()
     backup = BackupAndRestore(str(backup_dir), save_freq=4, double_checkpoint=True)
     _model(make_strategy(2)).fit(_ds(x, y), epochs=2, verbose=0, callbacks=[backup])
-    assert backup.restored == {"epoch": 0, "step": 4}
+    return backup.restored
+
+
+def test_backup_keeps_the_previous_file_on_double_checkpoint(tmp_path):
+    # Glob characters in the path: stale backups were found with a glob, so
+    # such a directory kept every backup (fails before listing the directory).
+    backup_dir = tmp_path / "backup[1]*?"
+    _interrupted_backup(backup_dir)
+    assert sorted(p.name for p in backup_dir.iterdir()) == [
+        "ckpt-0-4.json", "ckpt-0-4.weights.h5", "ckpt-1-2.json", "ckpt-1-2.weights.h5",
+        "training_metadata.json",
+    ]
+    (backup_dir / "ckpt-1-2.weights.h5").write_bytes(b"torn")
+    with pytest.warns(UserWarning, match="falling back to the backup of epoch 0, step 4"):
+        assert _resume(backup_dir) == {"epoch": 0, "step": 4}
+
+
+def test_backup_without_double_checkpoint_keeps_one(tmp_path):
+    backup_dir = tmp_path / "b[a]ck?up*"
+    _interrupted_backup(backup_dir, double_checkpoint=False)
+    assert sorted(p.name for p in backup_dir.iterdir()) == [
+        "ckpt-1-2.json", "ckpt-1-2.weights.h5", "training_metadata.json",
+    ]
+
+
+@pytest.mark.parametrize(
+    "damaged,expected,warning",
+    [
+        # Before: JSONDecodeError at fit start; the previous backup was named
+        # only inside training_metadata.json.
+        ("training_metadata.json", {"epoch": 1, "step": 2}, None),
+        ("ckpt-1-2.json", {"epoch": 0, "step": 4}, "cannot be read"),
+        ("ckpt-1-2.weights.h5", {"epoch": 0, "step": 4}, "falling back"),
+        ("ckpt-0-4.json", {"epoch": 1, "step": 2}, "cannot be read"),
+        ("ckpt-0-4.weights.h5", {"epoch": 1, "step": 2}, None),
+    ],
+)
+def test_backup_survives_each_truncated_file(tmp_path, damaged, expected, warning):
+    backup_dir = tmp_path / "backup"
+    _interrupted_backup(backup_dir)
+    path = backup_dir / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    if warning is None:
+        assert _resume(backup_dir) == expected
+    else:
+        with pytest.warns(UserWarning, match=warning):
+            assert _resume(backup_dir) == expected
+
+
+def test_backup_with_no_intact_file_fails_naming_them(tmp_path):
+    backup_dir = tmp_path / "backup"
+    _interrupted_backup(backup_dir)
+    for name in ("ckpt-1-2.weights.h5", "ckpt-0-4.weights.h5"):
+        (backup_dir / name).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no usable backup.*ckpt-1-2.*ckpt-0-4"):
+        _resume(backup_dir)
 
 
 @pytest.mark.parametrize("kwargs", [dict(save_freq=0), dict(save_freq=True)])

@@ -2,16 +2,30 @@
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import warnings
 
 import keras
 import tensorflow as tf
 
 from keras_comm._private import keras_api
+from keras_comm.callbacks import _agreement
+from keras_comm.callbacks import _durable
 from keras_comm.callbacks import parallel_optimizer
 
 _METADATA = "training_metadata.json"
+_RECORD = re.compile(r"^ckpt-(\d+)-(\d+)\.json$")
+_WEIGHTS = re.compile(r"^(?:tmp-)?ckpt-(\d+)-(\d+)\.weights\.h5$")
+
+
+def _weights_name(epoch, step):
+    return f"ckpt-{epoch}-{step}.weights.h5"
+
+
+def _record_name(epoch, step):
+    return f"ckpt-{epoch}-{step}.json"
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -24,13 +38,26 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     subclass (a callback, not a patch in `keras_comm.compat`: it changes what
     the callback does, not a Keras bug under a strategy) differs in that:
 
-    - Only the chief (`strategy.extended.should_checkpoint`) writes; every
-      worker restores from the chief's files, so `backup_dir` must be on a
+    - Only the chief (`strategy.extended.should_checkpoint`) writes to
+      `backup_dir` (every worker saves, since sharded weights are gathered
+      while saving; the others write to a temporary file and drop it).
+      Files hold full-size weights (`keras_comm.parallel` layers' shards and
+      their optimizer slots gathered), so a backup also resumes on another
+      number of workers whose group sizes divide the split dimensions.
+    - The chief decides what to restore and broadcasts it; every worker
+      loads that backup from its own view of `backup_dir`, and if any
+      cannot (a directory that is not really shared, a differing copy) all
+      raise together, naming the workers and why. `backup_dir` must be on a
       filesystem all workers see (on one machine, any local directory).
-    - A backup is committed atomically: the weights go to a new file
-      ``ckpt-<epoch>-<step>.weights.h5`` and then `training_metadata.json`,
-      which names that file, is replaced in one rename. A worker killed at
-      any point leaves the previous backup usable.
+    - A backup survives a crash: the weights go to a new file
+      ``ckpt-<epoch>-<step>.weights.h5`` (written under a temporary name,
+      fsynced, renamed, directory fsynced), then its own record
+      ``ckpt-<epoch>-<step>.json`` with the file's size and checksum
+      commits it. A restore takes the newest backup whose weights match
+      their record; a torn or missing latest backup falls back to the
+      previous one (kept with `double_checkpoint`) with a warning, and an
+      unreadable `training_metadata.json` (a pointer to the latest backup,
+      for people and older readers) is ignored.
     - With an integer `save_freq`, a restore resumes at the step: `fit`
       starts at the saved epoch and the first steps of that epoch are
       skipped (their batches are read and dropped, so the data order
@@ -104,11 +131,110 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         strategy = self.model.distribute_strategy
         return bool(getattr(strategy.extended, "should_checkpoint", True))
 
-    def _read_metadata(self):
-        if not tf.io.gfile.exists(self._metadata_path):
+    def _path(self, name):
+        return os.path.join(self.backup_dir, name)
+
+    def _candidates(self):
+        """This worker's committed backups, newest first (see `_commit`).
+
+        A record that cannot be parsed is skipped with a warning; a backup
+        directory written before records existed is read from its metadata
+        file (no checksum then).
+        """
+        names = _durable.listdir(self.backup_dir)
+        found = []
+        for name in names:
+            match = _RECORD.match(name)
+            if match is None:
+                continue
+            try:
+                with tf.io.gfile.GFile(self._path(name), "r") as f:
+                    entry = json.loads(f.read())
+                entry = {k: entry[k] for k in ("epoch", "step", "weights", "size", "crc32")}
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                warnings.warn(
+                    f"BackupAndRestore: skipping the backup record {self._path(name)!r}, "
+                    f"which cannot be read ({type(e).__name__}: {e}); falling back to "
+                    "an earlier backup.",
+                    stacklevel=3,
+                )
+                continue
+            found.append(entry)
+        if not found and _METADATA in names:
+            found = self._legacy_candidates()
+        return sorted(found, key=lambda e: (e["epoch"], e["step"]), reverse=True)
+
+    def _legacy_candidates(self):
+        try:
+            with tf.io.gfile.GFile(self._metadata_path, "r") as f:
+                metadata = json.loads(f.read())
+            entries = [metadata] + ([metadata["previous"]] if metadata.get("previous") else [])
+            return [
+                {"epoch": e["epoch"], "step": e["step"], "weights": e["weights"],
+                 "size": None, "crc32": None}
+                for e in entries
+            ]
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            warnings.warn(
+                f"BackupAndRestore: ignoring {self._metadata_path!r}, which cannot "
+                f"be read ({type(e).__name__}: {e}).",
+                stacklevel=3,
+            )
+            return []
+
+    def _check(self, entry):
+        """None if `entry`'s weights file is intact, else ``(reason, why)``."""
+        path = self._path(entry["weights"])
+        if not tf.io.gfile.exists(path):
+            return _agreement.MISSING, f"{path!r} is missing"
+        if entry["size"] is None:
             return None
-        with tf.io.gfile.GFile(self._metadata_path, "r") as f:
-            return json.loads(f.read())
+        size, crc = _durable.checksum(path)
+        if (size, crc) != (entry["size"], entry["crc32"]):
+            return _agreement.MISMATCH, (
+                f"{path!r} is not the file that was saved ({size} bytes, crc32 "
+                f"{crc}; saved: {entry['size']} bytes, crc32 {entry['crc32']})"
+            )
+        return None
+
+    def _choose(self):
+        """The chief's choice: the newest intact backup, or why none."""
+        candidates = self._candidates()
+        problems = []
+        for entry in candidates:
+            problem = self._check(entry)
+            if problem is None:
+                if problems:
+                    warnings.warn(
+                        "BackupAndRestore: the latest backup cannot be used ("
+                        + "; ".join(problems)
+                        + f"); falling back to the backup of epoch {entry['epoch']}, "
+                        f"step {entry['step']}.",
+                        stacklevel=3,
+                    )
+                return entry, None
+            problems.append(problem[1])
+        if problems:
+            return None, (
+                f"BackupAndRestore: no usable backup in {self.backup_dir!r}: "
+                + "; ".join(problems)
+                + ". Remove the directory to start over, or restore its files."
+            )
+        return None, None
+
+    def _load(self, entry):
+        """Loads `entry` (chosen by the chief) here; None or why it failed."""
+        if entry["size"] is not None:
+            problem = self._check(entry)
+            if problem is not None:
+                return problem
+        try:
+            self.model.load_weights(self._path(entry["weights"]))
+        except (OSError, ValueError) as e:
+            return _agreement.LOAD_FAILED, (
+                f"loading {self._path(entry['weights'])!r} failed: {type(e).__name__}: {e}"
+            )
+        return None
 
     def on_train_begin(self, logs=None):
         if not self.model.built:
@@ -119,27 +245,50 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self.restored = None
         self._skip_epoch, self._skip_steps = None, 0
         self._since_save = 0
-        metadata = self._read_metadata()
-        if metadata is None:
-            return
-        candidates = [metadata] + ([metadata["previous"]] if metadata.get("previous") else [])
+        strategy = self.model.distribute_strategy
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
-            with self.model.distribute_strategy.scope():
+            with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        error = None
-        for entry in candidates:
-            try:
-                self.model.load_weights(os.path.join(self.backup_dir, entry["weights"]))
-            except OSError as e:  # missing or unreadable file: try the previous one
-                error = e
-                continue
-            keras_api.set_initial_epoch(self.model, entry["epoch"])
-            if entry["step"]:
-                self._skip_epoch, self._skip_steps = entry["epoch"], entry["step"]
-            self.restored = {"epoch": entry["epoch"], "step": entry["step"]}
+        # The chief decides; every worker loads that backup or all fail
+        # together (each worker may see its own `backup_dir`).
+        entry, problem = self._choose() if self._is_chief() else (None, None)
+        chosen = _agreement.broadcast_choice(strategy, entry, problem is not None)
+        if chosen == _agreement.UNUSABLE:
+            raise ValueError(
+                problem or "BackupAndRestore: the chief found no usable backup in "
+                f"{self.backup_dir!r} (see its error); no worker restored."
+            )
+        if chosen is None:
             return
-        raise error
+        entry = self._resolve(chosen, entry)
+        failure = self._load(entry)
+        failures = _agreement.gather_failures(strategy, failure)
+        if failures:
+            raise ValueError(
+                "BackupAndRestore: the workers cannot all restore the backup the "
+                f"chief chose (epoch {entry['epoch']}, step {entry['step']}, "
+                f"{entry['weights']!r}): "
+                + "; ".join(f"replica {r}: {why}" for r, why in failures)
+                + ". `backup_dir` must be one directory that every worker sees "
+                "(a shared filesystem)."
+            )
+        keras_api.set_initial_epoch(self.model, entry["epoch"])
+        if entry["step"]:
+            self._skip_epoch, self._skip_steps = entry["epoch"], entry["step"]
+        self.restored = {"epoch": entry["epoch"], "step": entry["step"]}
+
+    def _resolve(self, chosen, entry):
+        if entry is not None:
+            return entry
+        epoch, step, size, crc = chosen
+        return {
+            "epoch": epoch,
+            "step": step,
+            "weights": _weights_name(epoch, step),
+            "size": None if size < 0 else size,
+            "crc32": None if size < 0 else crc,
+        }
 
     # --- skipping the steps done before the backup ------------------------
 
@@ -200,21 +349,45 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 shutil.rmtree(tmp, ignore_errors=True)
             return
         tf.io.gfile.makedirs(self.backup_dir)
-        old = self._read_metadata()
-        name = f"ckpt-{epoch}-{step}.weights.h5"
-        self.model.save_weights(os.path.join(self.backup_dir, name), overwrite=True)
-        entry = {"epoch": epoch, "step": step, "weights": name}
-        metadata = dict(entry)
-        if self.double_checkpoint and old is not None:
-            metadata["previous"] = {k: old[k] for k in ("epoch", "step", "weights")}
-        tmp = self._metadata_path + ".tmp"
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(json.dumps(metadata))
-        tf.io.gfile.rename(tmp, self._metadata_path, overwrite=True)
-        keep = {name} | ({metadata["previous"]["weights"]} if "previous" in metadata else set())
-        for stale in tf.io.gfile.glob(os.path.join(self.backup_dir, "ckpt-*.weights.h5")):
-            if os.path.basename(stale) not in keep:
-                tf.io.gfile.remove(stale)
+        self._commit(epoch, step)
+
+    def _commit(self, epoch, step):
+        """Writes a backup; a crash at any point leaves the earlier ones usable.
+
+        Order: the weights (to a temporary name, synced, renamed), then the
+        backup's own record ``ckpt-<epoch>-<step>.json`` (size and checksum of
+        the weights; written atomically: its presence commits the backup),
+        then `training_metadata.json` (the latest backup, for people and
+        older readers), then the stale backups are removed. Each backup has
+        its own record, so a lost or torn file costs one backup, not the
+        history.
+        """
+        name = _weights_name(epoch, step)
+        record = self._path(_record_name(epoch, step))
+        _durable.remove(record)  # an older backup of the same step, if any
+        tmp = self._path(f"tmp-{name}")
+        self.model.save_weights(tmp, overwrite=True)
+        _durable.replace(tmp, self._path(name))
+        size, crc = _durable.checksum(self._path(name))
+        entry = {"epoch": epoch, "step": step, "weights": name, "size": size, "crc32": crc}
+        _durable.write_atomic(record, json.dumps(entry))
+        _durable.write_atomic(self._metadata_path, json.dumps(entry))
+        keep = {(epoch, step)}
+        if self.double_checkpoint:
+            older = [
+                (e["epoch"], e["step"]) for e in self._candidates()
+                if (e["epoch"], e["step"]) < (epoch, step)
+            ]
+            keep |= set(older[:1])
+        for other in _durable.listdir(self.backup_dir):
+            match = _RECORD.match(other)
+            if match is not None and (int(match[1]), int(match[2])) not in keep:
+                # The record first: a backup is never listed without its weights.
+                _durable.remove(self._path(other))
+        for other in _durable.listdir(self.backup_dir):
+            match = _WEIGHTS.match(other)
+            if match is not None and (int(match[1]), int(match[2])) not in keep:
+                _durable.remove(self._path(other))
 
     def on_train_end(self, logs=None):
         if self._model_train_function is not None:
