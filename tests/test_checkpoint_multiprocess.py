@@ -98,3 +98,41 @@ def test_sharded_state_round_trips_exactly(tmp_path):
             assert [g.shape for g in got] == [e.shape for e in expected], load
             for g, e in zip(got, expected):
                 np.testing.assert_array_equal(g, e)
+
+
+# --- damaged backups and workers that see different files -------------------
+
+
+@pytest.mark.multiprocess
+def test_backup_damage_and_agreement_across_workers(tmp_path):
+    # Before: a torn training_metadata.json failed fit with JSONDecodeError,
+    # the previous backup was named only inside it, and each worker restored
+    # from its own view of backup_dir (per-worker directories resumed the
+    # workers at different steps).
+    result = run_cluster("workers/backup_agreement_worker.py", 2, tmp_path, timeout=400).check()
+    print("agreement results:", json.dumps(result.results))
+    latest, previous = {"epoch": 1, "step": 2}, {"epoch": 0, "step": 4}
+    for rank, r in enumerate(result.results):
+        c = r["results"]
+        assert c["files"] == ["ckpt-0-4.json", "ckpt-0-4.weights.h5", "ckpt-1-2.json",
+                              "ckpt-1-2.weights.h5", "training_metadata.json"]
+        # Shared directory, each file of the backup truncated in turn.
+        assert c["intact"] == {"restored": latest, "warnings": []}
+        assert c["metadata"] == {"restored": latest, "warnings": []}
+        assert c["previous_weights"] == {"restored": latest, "warnings": []}
+        assert c["latest_record"]["restored"] == previous
+        assert c["latest_weights"]["restored"] == previous
+        if rank == 0:  # the chief decides, and warns
+            assert "cannot be read" in c["latest_record"]["warnings"][0]
+            assert "falling back to the backup of epoch 0, step 4" in (
+                c["latest_weights"]["warnings"][0])
+        assert "no usable backup" in c["both_weights"]["error"]
+        # Per-worker directories: worker 1 follows the chief's choice when it
+        # has that file, and every worker fails naming worker 1 otherwise.
+        assert c["only_weights"] == {"restored": latest, "warnings": []}
+        for case, why in (("empty", "is missing"), ("different", "not the file that was saved")):
+            error = c[case]["error"]
+            assert "cannot all restore the backup the chief chose" in error, (case, error)
+            assert "replica 1:" in error and "replica 0:" not in error, (case, error)
+            if rank == 1:
+                assert why in error, (case, error)
