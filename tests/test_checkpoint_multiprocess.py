@@ -86,6 +86,8 @@ def test_sharded_state_round_trips_exactly(tmp_path):
     import keras
     import numpy as np
 
+    import keras_comm  # noqa: F401  (registers the layers)
+
     for config in SHARDED_CONFIGS:
         full = np.load(tmp_path / f"{config}.full.npz")
         expected = [full[f"arr_{i}"] for i in range(len(full.files))]
