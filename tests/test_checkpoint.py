@@ -229,7 +229,8 @@ def _sharded_model(kind, strategy=None):
 def _sharded_data(kind):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 5)) if kind == "tp" else rng.integers(0, 8, size=(32, 3))
-    return x.astype("float32" if kind == "tp" else "int32"), rng.normal(size=(32, 3)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    return x.astype("float32" if kind == "tp" else "int32"), y
 
 
 def _components(variables):

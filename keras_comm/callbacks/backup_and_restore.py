@@ -151,7 +151,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 with tf.io.gfile.GFile(self._path(name), "r") as f:
                     entry = json.loads(f.read())
                 entry = {k: entry[k] for k in ("epoch", "step", "weights", "size", "crc32")}
-            except (ValueError, KeyError, TypeError, OSError) as e:
+            except (ValueError, KeyError, TypeError, OSError, tf.errors.OpError) as e:
                 warnings.warn(
                     f"BackupAndRestore: skipping the backup record {self._path(name)!r}, "
                     f"which cannot be read ({type(e).__name__}: {e}); falling back to "
@@ -174,7 +174,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                  "size": None, "crc32": None}
                 for e in entries
             ]
-        except (ValueError, KeyError, TypeError, OSError) as e:
+        except (ValueError, KeyError, TypeError, OSError, tf.errors.OpError) as e:
             warnings.warn(
                 f"BackupAndRestore: ignoring {self._metadata_path!r}, which cannot "
                 f"be read ({type(e).__name__}: {e}).",
@@ -189,7 +189,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return _agreement.MISSING, f"{path!r} is missing"
         if entry["size"] is None:
             return None
-        size, crc = _durable.checksum(path)
+        try:
+            size, crc = _durable.checksum(path)
+        except (OSError, tf.errors.OpError) as e:
+            return _agreement.MISSING, f"{path!r} cannot be read ({type(e).__name__}: {e})"
         if (size, crc) != (entry["size"], entry["crc32"]):
             return _agreement.MISMATCH, (
                 f"{path!r} is not the file that was saved ({size} bytes, crc32 "
