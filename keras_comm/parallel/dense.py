@@ -229,7 +229,7 @@ class RowParallelDense(_common.ParallelLayer):
         full = (config or {}).get("full_input_dim")
         if full is not None and "input_shape" in config:
             n = self.group_size()
-            _common.check_divisible(full, n, "input_dim", f"{self.axis!r} group")
+            _validation.divisible(full, n, "input_dim", f"{self.axis!r} group size")
             shape = list(config["input_shape"])
             shape[-1] = full // n
             config = dict(config, input_shape=tuple(shape))
