@@ -140,3 +140,17 @@ def test_layer_config_shapes_and_errors(tmp_path):
         path = tmp_path / f"{model.name}.keras"
         model.save(path)
         np.testing.assert_allclose(keras.models.load_model(path).predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_indivisible_static_dim_fails_when_the_model_is_built():
+    # Rounded down to 2 before (issue 15 item 6): a model built, failing only when run.
+    layer = kc_layers.AlltoAll(2, -1, 0, name="a2a")
+    with pytest.raises(ValueError, match=r"'a2a'.*divisible by `split_count` 2.*input_shape=\(4, 5\)"):
+        layer.compute_output_shape((4, 5))
+    with pytest.raises(ValueError, match=r"divisible by `split_count` 2. Received: input_shape=\(None, 5\)"):
+        kc_layers.AlltoAll(2, -1, 0)(keras.Input((5,)))
+    # Dims known only at run time are left to the op's own check.
+    assert kc_layers.AlltoAll(2, 0, 1).compute_output_shape((None, 4)) == (None, 8)
+    # split_dim == concat_dim keeps the shape but must still divide.
+    with pytest.raises(ValueError, match="divisible"):
+        kc_layers.AlltoAll(2, 1, 1).compute_output_shape((4, 3))

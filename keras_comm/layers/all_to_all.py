@@ -50,6 +50,14 @@ class AlltoAll(CollectiveLayer):
                     f"input of rank {rank}. Received: {arg}={dim}"
                 )
         s, c = self.split_dim % rank, self.concat_dim % rank
+        # A static dim that does not split would be rounded down here and
+        # fail only when the layer runs: refuse it when the model is built.
+        if shape[s] is not None and shape[s] % self.split_count:
+            raise ValueError(
+                f"Layer {self.name!r}: dimension {s} (`split_dim`) of the input must be "
+                f"divisible by `split_count` {self.split_count}. "
+                f"Received: input_shape={tuple(shape)}"
+            )
         if s != c:
             n = self.split_count
             shape[s] = None if shape[s] is None else shape[s] // n
