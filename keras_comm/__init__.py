@@ -7,10 +7,15 @@ package also applies `keras_comm.compat`, which makes Keras 3's `model.fit`
 work (exactly) under that strategy.
 """
 
+import warnings as _warnings
+
 from keras_comm import compat as _compat
 
 # Before anything that builds on Keras's trainer: the one Keras x MWMS fix.
-_compat.apply()
+if not _compat.apply():
+    # Not an error: collectives, layers and single-replica use still work;
+    # only `fit` under MultiWorkerMirroredStrategy runs stock (broken) Keras.
+    _warnings.warn(_compat.unsupported_message(), stacklevel=2)
 
 from keras_comm import callbacks  # noqa: E402
 from keras_comm import errors  # noqa: E402

@@ -121,6 +121,20 @@ def _supported():
     )
 
 
+def unsupported_message():
+    """Why `apply()` changes nothing here: the installed Keras and backend."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_KERAS
+    return (
+        "keras_comm: the Keras x MultiWorkerMirroredStrategy fix (keras_comm.compat) "
+        f"supports Keras >={lo_major}.{lo_minor},<{hi_major}.{hi_minor} with the "
+        f"TensorFlow backend; found Keras {keras.version()} with the "
+        f"{keras.backend.backend()!r} backend, so it is NOT applied. keras_comm "
+        "layers still work, but `model.fit`/`evaluate` under "
+        "MultiWorkerMirroredStrategy run stock Keras, which fails or is not exact "
+        "there. Install a supported Keras (and KERAS_BACKEND=tensorflow)."
+    )
+
+
 def is_applied():
     """Returns whether the Keras trainer currently carries this module's fix."""
     return _supported() and keras_api.trainer_patched()

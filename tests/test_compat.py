@@ -112,6 +112,33 @@ def test_import_prints_nothing_and_leaves_environment_alone():
     assert proc.stderr.rstrip().endswith("true")
 
 
+def test_import_warns_when_keras_is_unsupported():
+    # Before issue 15 item 6, `apply()` returned False here and the import said
+    # nothing: `fit` under MWMS then failed later in stock Keras code.
+    code = (
+        "import json, sys, warnings\n"
+        "import keras\n"
+        "keras.version = lambda: '3.99.0'\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import keras_comm\n"
+        "from keras_comm import compat\n"
+        "assert not compat.is_applied()\n"
+        "mine = [str(w.message) for w in caught if 'keras_comm' in str(w.message)]\n"
+        "sys.stderr.write('RESULT ' + json.dumps(mine))\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    messages = json.loads(proc.stderr.rsplit("RESULT ", 1)[1])
+    assert len(messages) == 1, messages
+    low, high = compat.SUPPORTED_KERAS
+    assert f">={low[0]}.{low[1]},<{high[0]}.{high[1]}" in messages[0]
+    assert "found Keras 3.99.0 with the 'tensorflow' backend" in messages[0]
+
+
 # --- Comparison helpers -----------------------------------------------------
 
 
