@@ -19,8 +19,10 @@ different devices. They must agree on every worker without any communication:
 """
 
 import dataclasses
+import json
 import os
 import threading
+import warnings
 import zlib
 
 import numpy as np
@@ -191,11 +193,65 @@ def world_size():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+_warned_no_strategy = False
+
+
+def job_workers(environ=None):
+    """The number of workers the environment says this job has (1 if none).
+
+    Read from what `keras-comm-run` sets (``KERAS_COMM_WORLD_SIZE``, then
+    ``WORLD_SIZE``) or, failing that, the TF_CONFIG cluster's chief and
+    workers. Malformed values count as 1: this only decides a warning.
+    """
+    environ = os.environ if environ is None else environ
+    for name in ("KERAS_COMM_WORLD_SIZE", "WORLD_SIZE"):
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    try:
+        cluster = json.loads(environ.get("TF_CONFIG", "") or "{}").get("cluster", {})
+        return sum(len(cluster.get(job, ())) for job in ("chief", "worker")) or 1
+    except (ValueError, AttributeError, TypeError):
+        return 1
+
+
+def _warn_if_job_has_other_workers(what):
+    """Warns once when a collective runs alone inside a multi-worker job.
+
+    Outside any strategy a collective is its one-rank case (the identity),
+    right for single-process use and for code a worker runs on its own
+    (chief-only evaluation or export). Inside a job of several workers it is
+    far more often a forgotten ``with strategy.scope()`` / `strategy.run`:
+    every worker then trains alone, silently. A warning, not an error
+    (Horovod raises), because the one-rank answer is correct for that
+    deliberate single-worker code and raising would break it.
+    """
+    global _warned_no_strategy
+    if _warned_no_strategy:
+        return
+    workers = job_workers()
+    if workers > 1:
+        _warned_no_strategy = True
+        warnings.warn(
+            f"{what} ran outside any tf.distribute strategy, but this process is "
+            f"one of {workers} workers (TF_CONFIG / keras-comm-run): every "
+            "keras_comm collective acts as its one-replica case (the identity) "
+            "and each worker computes alone. Create "
+            "tf.distribute.MultiWorkerMirroredStrategy() and build and train the "
+            "model under `strategy.scope()` (model.fit) or call collectives "
+            "inside `strategy.run`. Warned once per process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def current_replica(what="keras_comm collectives"):
     """Returns the `Replica` the caller runs as.
 
     Outside any strategy, or under a strategy with one replica, this is rank 0
-    of a world of 1 (so layers act as their one-rank case).
+    of a world of 1 (so layers act as their one-rank case); outside any
+    strategy in a job of several workers, that warns once (see
+    `job_workers`).
 
     Raises:
         RuntimeError: in cross-replica context of a strategy with several
@@ -204,6 +260,8 @@ def current_replica(what="keras_comm collectives"):
     strategy, ctx = _strategy_and_context()
     n = strategy.num_replicas_in_sync
     if n == 1:
+        if not tf.distribute.has_strategy():
+            _warn_if_job_has_other_workers(what)
         return Replica(0, 1, tf_api.current_device() or "")
     if ctx is None:
         raise RuntimeError(
