@@ -203,3 +203,21 @@ def test_broadcast_weights_training_step(mode):
     np.testing.assert_array_equal(w0, w1)
     np.testing.assert_array_equal(g0, np.full([2, 1], 3.0))  # (1 + 2) * r_root
     np.testing.assert_array_equal(g1, np.zeros([2, 1]))
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_empty_inputs_move_nothing(mode):
+    # A broadcast of a [0] tensor between 2 in-process replicas crashed the
+    # process (SIGSEGV in TF's CPU collective; found by test_fuzz_replicas).
+    strategy = make_strategy(2)
+    for shape in ([0], [2, 0]):
+        out = run_replicas(
+            strategy,
+            lambda: (kc_layers.Broadcast(root=1)(tf.zeros(shape)),
+                     kc_ops.all_reduce(tf.zeros(shape)), kc_ops.all_gather(tf.zeros(shape))),
+            mode=mode,
+        )
+        for b, r, g in out:
+            assert b.shape == r.shape == tuple(shape)
+            assert g.shape == (2 * shape[0],) + tuple(shape[1:])

@@ -284,6 +284,19 @@ def _check_call(x, call, kind, detail=""):
 
 
 
+def _statically_empty(x):
+    """True when `x` has no elements whatever the data: nothing to move.
+
+    TensorFlow's CPU collectives crash the process (SIGSEGV) on some empty
+    inputs -- a broadcast of a [0] tensor between 2 in-process replicas
+    every time, eager all-reduces intermittently (found by
+    tests/test_fuzz_replicas.py) -- so no collective is launched for them.
+    The decision depends on the static shape only, so members that agree
+    on the shape all skip, and keep drawing the same instance keys.
+    """
+    return x.shape.num_elements() == 0
+
+
 def _ordered(call, kind, launch, **attrs):
     """Issues one token-ordered collective on the caller's device.
 
@@ -299,6 +312,9 @@ def _ordered(call, kind, launch, **attrs):
         checked = _check_call(attrs["t"], call, kind, detail)
         with tf.device(call.device), tf.control_dependencies([checked]):
             attrs["t"] = tf.identity(attrs["t"])
+    if _statically_empty(attrs["t"]):
+        with tf.device(call.device):
+            return _stand_in(kind, attrs["t"], call)
     key, instance, timeout = call._keys()
     token = _ordering_token(call.device)
     with tf.device(call.device), errors._translating(info):
@@ -394,6 +410,9 @@ def broadcast(x, call, root_index):
         checked = _check_call(x, call, "broadcast", f" root {root_index}")
         with tf.device(call.device), tf.control_dependencies([checked]):
             x = tf.identity(x)
+    if _statically_empty(x):
+        with tf.device(call.device):
+            return tf.identity(x)
     key, instance, timeout = call._keys()
     kwargs = dict(
         group_size=call.size,
