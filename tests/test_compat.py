@@ -14,6 +14,7 @@ optimizer steps, different summation orders); metrics within 1e-5 relative;
 evaluate/fit metrics bitwise identical on every worker.
 """
 
+import json
 import os
 import subprocess
 import sys
