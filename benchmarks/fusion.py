@@ -55,7 +55,7 @@ def _build_steps(strategy, raw, shapes, rank):
         def step(ws, dys):
             with tf.GradientTape() as tape:
                 tape.watch(ws)
-                ys = [kc_ops.mirror_operator(w, mean_flag=False, fusion=fusion) for w in ws]
+                ys = [kc_ops.mirror_operator(w, mean=False, fusion=fusion) for w in ws]
             return tape.gradient(ys, ws, output_gradients=dys)
 
         return step

@@ -60,10 +60,10 @@ def make_trainer(model, learning_rate):
     import keras_comm.ops
 
     optimizer = keras.optimizers.Adam(learning_rate)
-    # Backward: the gradient summed over all replicas (mean_flag=False: the
+    # Backward: the gradient summed over all replicas (mean=False: the
     # exact adjoint for the sum-of-losses objective). fusion=1: the weights'
     # gradients travel in one all-reduce (inside the fusion scope below).
-    mirror = keras_comm.layers.MirrorOperator(mean_flag=False, fusion=1)
+    mirror = keras_comm.layers.MirrorOperator(mean=False, fusion=1)
     for variable in model.trainable_variables:
         keras_comm.compat.mark_gradient_reduced(variable)
 

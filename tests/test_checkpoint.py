@@ -320,7 +320,7 @@ class _MirroredDense(keras.layers.Layer):
     def __init__(self, units, mark, **kwargs):
         super().__init__(**kwargs)
         self.units, self.mark = units, mark
-        self.mirror = MirrorOperator(mean_flag=False)
+        self.mirror = MirrorOperator(mean=False)
 
     def build(self, input_shape):
         self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")

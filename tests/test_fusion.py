@@ -286,7 +286,7 @@ class _MirroredDense(keras.layers.Layer):
         self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
         for w in (self.kernel, self.bias):
             keras_comm.compat.mark_gradient_reduced(w)
-        self.mirror = kc_layers.MirrorOperator(mean_flag=False, fusion=self.fusion)
+        self.mirror = kc_layers.MirrorOperator(mean=False, fusion=self.fusion)
 
     def call(self, x):
         return x @ self.mirror(self.kernel) + self.mirror(self.bias)
@@ -359,7 +359,7 @@ def test_bad_fusion_is_rejected_everywhere(fusion, error):
 
 
 def test_mirror_operator_config_keeps_fusion():
-    layer = kc_layers.MirrorOperator(mean_flag=False, fusion=3, group=[0, 1], name="m")
+    layer = kc_layers.MirrorOperator(mean=False, fusion=3, group=[0, 1], name="m")
     clone = kc_layers.MirrorOperator.from_config(layer.get_config())
     assert (clone.fusion, clone.mean_flag, list(clone.group.ranks)) == (3, False, [0, 1])
 

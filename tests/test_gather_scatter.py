@@ -122,7 +122,7 @@ def test_all_gather_mean_flag_scales_gradient(mode, n):
     # 3 replicas: 1/3 is not a float32 number, so a scale that passed
     # through float32 would show here.
     strategy = make_strategy(n)
-    got = _gradcheck.distributed(strategy, lambda x: kc_ops.all_gather(x, mean_flag=True), _input, mode=mode)
+    got = _gradcheck.distributed(strategy, lambda x: kc_ops.all_gather(x, mean=True), _input, mode=mode)
     want = _gradcheck.reference(n, ref_all_gather(), _input)
     for (y, g), (y_ref, g_ref) in zip(got, want):
         np.testing.assert_allclose(y, y_ref, rtol=1e-12)

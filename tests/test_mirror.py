@@ -41,7 +41,7 @@ def _tied_reference(members, mean_flag):
 def test_mirror_operator_matches_tied_copies(strategy, mode, mean_flag):
     got = check(
         strategy,
-        lambda x: ops.mirror_operator(x, mean_flag=mean_flag),
+        lambda x: ops.mirror_operator(x, mean=mean_flag),
         _tied_reference(None, mean_flag),
         _input,
         mode=mode,
@@ -60,7 +60,7 @@ def test_mirror_operator_subgroups(mode, group):
     strategy = make_strategy(4)
     check(
         strategy,
-        lambda x: ops.mirror_operator(x, mean_flag=True, group=group),
+        lambda x: ops.mirror_operator(x, mean=True, group=group),
         _tied_reference(group, True),
         _input,
         mode=mode,
@@ -77,7 +77,7 @@ def test_mirror_operator_dtypes(dtype):
         x = tf.ones([4], dtype)
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = ops.mirror_operator(x, mean_flag=False)
+            y = ops.mirror_operator(x, mean=False)
             loss = tf.reduce_sum(y * tf.cast(r + 1, dtype))
         return y, tape.gradient(loss, x)
 
@@ -101,7 +101,7 @@ def test_mirror_operator_sparse_gradient(strategy, mode, mean_flag):
         x = tf.constant(table)
         with tf.GradientTape() as tape:
             tape.watch(x)
-            rows = tf.gather(ops.mirror_operator(x, mean_flag=mean_flag), ids(r))
+            rows = tf.gather(ops.mirror_operator(x, mean=mean_flag), ids(r))
             loss = tf.reduce_sum(rows * (r + 1.0))
         g = tape.gradient(loss, x)
         sparse = isinstance(g, tf.IndexedSlices)
@@ -173,7 +173,7 @@ def test_mirror_mini_step_accumulates(strategy, mode, mean_flag):
         x = tf.constant([1.0, 2.0, 3.0], tf.float64) * (r + 1) + t
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = ops.mirror_mini_step_operator(x, acc, step, k, mean_flag=mean_flag)
+            y = ops.mirror_mini_step_operator(x, acc, step, k, mean=mean_flag)
             loss = _micro_loss(y, r, t)
         return y, tape.gradient(loss, x)
 
@@ -237,7 +237,7 @@ def test_mirror_micro_step_with_virtual_assign_add(strategy, mode, optimizer_sha
                     y = ops.virtual_assign_add(xs, acc)
                 else:
                     y = ops.mirror_micro_step_operator(
-                        xs, acc, mean_flag=True, optimizer_shard=optimizer_shard
+                        xs, acc, mean=True, optimizer_shard=optimizer_shard
                     )
                 loss = _micro_loss(y, r, s)
             grads.append(tape.gradient(loss, xs))
@@ -295,7 +295,7 @@ def test_mini_step_all_gather_accumulates(strategy, mode):
         x = tf.constant([1.0, 2.0, 3.0], tf.float64) * tf.cast(r + 1, tf.float64) + t
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = ops.mini_step_all_gather(x, acc, step, k, mean_flag=True)
+            y = ops.mini_step_all_gather(x, acc, step, k, mean=True)
             w = tf.range(1.0, 3 * n + 1, dtype=tf.float64) * tf.cast(r + 1, tf.float64) + t
             loss = tf.reduce_sum(w * y * y)
         return y, tape.gradient(loss, x)
@@ -467,7 +467,7 @@ def _model(kind):
         )
         return model
     h = keras.layers.Dense(4)(inputs)
-    a = layers.MirrorOperator(mean_flag=False)(h)
+    a = layers.MirrorOperator(mean=False)(h)
     b = layers.MiniStepAllGather(accumulation_steps=1)(h)
     out = keras.layers.Dense(1)(keras.layers.Concatenate(axis=-1)([a, b]))
     return keras.Model(inputs, out)
@@ -507,9 +507,9 @@ def test_layers_train_under_two_replicas(mode):
     """A custom strategy.run step: the mirror layers' gradients match the global ones."""
     strategy = make_strategy(2)
     with strategy.scope():
-        mirror = layers.MirrorOperator(mean_flag=False, dtype="float64")
-        mini = layers.MirrorMiniStepOperator(2, mean_flag=False, dtype="float64")
-        gather = layers.MiniStepAllGather(mean_flag=False, dtype="float64")
+        mirror = layers.MirrorOperator(mean=False, dtype="float64")
+        mini = layers.MirrorMiniStepOperator(2, mean=False, dtype="float64")
+        gather = layers.MiniStepAllGather(mean=False, dtype="float64")
         for layer, shape in ((mirror, (3,)), (mini, (3,)), (gather, (3,))):
             layer.build(shape)
 
@@ -532,3 +532,16 @@ def test_layers_train_under_two_replicas(mode):
         gather_g = np.full(3, 3.0)  # sum_q (q + 1)
         np.testing.assert_allclose(g0[r], mirror_t[0] + gather_g, rtol=1e-12)
         np.testing.assert_allclose(g1[r], mirror_t[1] + mirror_t[0] + mirror_t[1] + gather_g, rtol=1e-12)
+
+
+def test_ops_accept_old_mean_flag_keyword():
+    # The ops' `mean` was MindSpore's `mean_flag`; calls using it still work,
+    # and passing both names is an error naming them.
+    x = tf.constant([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = ops.mirror_operator(x, mean_flag=False)
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), [1.0, 1.0])
+    assert ops.all_gather(x, mean_flag=True).shape == (2,)
+    with pytest.raises(TypeError, match="old name of `mean`.*Received: mean=False, mean_flag=True"):
+        ops.mirror_operator(x, mean=False, mean_flag=True)

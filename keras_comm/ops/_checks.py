@@ -75,3 +75,20 @@ def check_divisible(shape, axis, n, what_, arg="x"):
             f"{what_}: dimension {axis} of `{arg}` must be divisible by the group "
             f"size {n}. Received: {arg}.shape={shape}"
         )
+
+
+def mean_argument(mean, mean_flag, default):
+    """The `mean` argument, also accepted under its former name `mean_flag`.
+
+    `mean` (divide the reduced gradient by the group size) is the word the
+    layers and ParallelOptimizer use; the ops took MindSpore's `mean_flag`
+    before, and calls using it keep working. Passing both is an error.
+    """
+    if mean_flag is None:
+        return _validation.boolean(mean, "mean")
+    if mean != default:
+        raise TypeError(
+            "`mean_flag` is the old name of `mean`; pass only `mean`. "
+            f"Received: mean={mean!r}, mean_flag={mean_flag!r}"
+        )
+    return _validation.boolean(mean_flag, "mean_flag")

@@ -23,14 +23,14 @@ def _prepare(x, fn_name, name):
     return x, what
 
 
-def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
+def all_gather(x, mean=False, group=None, *, mean_flag=None, timeout=None, name=None):
     """Concatenates every group member's `x` along axis 0, on every member.
 
     Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` on every member.
     Backward: ``dx = reduce_scatter_sum(dy)`` (this member's slice of the sum
-    of every member's dy), times ``1/n`` if `mean_flag` (for gathered
+    of every member's dy), times ``1/n`` if `mean` (for gathered
     parameter shards whose gradients are averaged); the exact adjoint is
-    ``mean_flag=False``. MindSpore: AllGather.
+    ``mean=False``. MindSpore: AllGather.
 
     Every member must pass the same shape (TF's all-gather requires it; a
     mismatch fails at run time with InvalidArgument). dtypes: float16,
@@ -38,7 +38,8 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
 
     Args:
         x: a tensor of rank >= 1.
-        mean_flag: scale the gradient by 1/group size.
+        mean: scale the gradient by 1/group size (`mean_flag`, its former
+            name, is still accepted).
         group: None (all replicas), a list of global ranks or a `Group`.
         timeout: seconds; None for `keras_comm.get_timeout()`.
         name: name for the collective ops (a layer's name).
@@ -46,6 +47,7 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
     Returns:
         Shape ``[n * x.shape[0], ...]`` on members; `x` on non-members.
     """
+    mean = _checks.mean_argument(mean, mean_flag, False)
     x, _ = _prepare(x, "all_gather", name)
     call = _collective.resolve(group, timeout, name)
 
@@ -56,7 +58,7 @@ def all_gather(x, mean_flag=False, group=None, *, timeout=None, name=None):
         dx = D.reduce_scatter(dy, call)
         # tf.constant, not tf.cast: a Python float would pass through
         # float32 first (1/3 off by 1e-8 in float64).
-        return dx * tf.constant(1.0 / call.size, dx.dtype) if mean_flag else dx
+        return dx * tf.constant(1.0 / call.size, dx.dtype) if mean else dx
 
     return D.collective(x, call, forward, backward)
 

@@ -13,7 +13,7 @@ accumulates owns its buffer, adds dy into it and returns what is released
 
 Gradient convention: the objective is the SUM of every replica's loss. For a
 mirrored parameter ``theta`` used on every replica, ``dL/dtheta = sum_r dy_r``:
-``mean_flag=False`` is that exact adjoint; ``mean_flag=True`` (the default)
+``mean=False`` is that exact adjoint; ``mean=True`` (the default)
 divides it by the group size, the gradient of the MEAN of the replicas'
 losses.
 
@@ -34,15 +34,15 @@ from keras_comm.ops import _fusion
 from keras_comm.ops.all_reduce import all_gather_indexed_slices
 
 
-def _scale(x, mean_flag, call):
-    if mean_flag and call.size > 1:
+def _scale(x, mean, call):
+    if mean and call.size > 1:
         return x * tf.constant(1.0 / call.size, x.dtype)
     return x
 
 
-def _reduced(total, mean_flag, call, fusion=0):
-    """The SUM of `total` over the group, scaled by 1/size if `mean_flag`."""
-    return _scale(D.all_reduce(total, call, "sum", fusion), mean_flag, call)
+def _reduced(total, mean, call, fusion=0):
+    """The SUM of `total` over the group, scaled by 1/size if `mean`."""
+    return _scale(D.all_reduce(total, call, "sum", fusion), mean, call)
 
 
 def _add_into(accumulator, dy):
@@ -79,19 +79,19 @@ def _branch(pred, true_fn, false_fn):
 # ---------------------------------------------------------------------------
 
 
-def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, name=None):
+def mirror_operator(x, mean=True, group=None, *, mean_flag=None, fusion=0, timeout=None, name=None):
     """Marks `x` as a copy of a parameter mirrored over the group.
 
     Forward: identity.
     Backward: ``dx = all_reduce_sum(dy)`` over the group, times
-    ``1 / group_size`` if `mean_flag`. A sparse ``tf.IndexedSlices`` dy (e.g.
+    ``1 / group_size`` if `mean`. A sparse ``tf.IndexedSlices`` dy (e.g.
     from an embedding lookup) has its indices and values all-gathered instead
     (members may hold different numbers of rows), times ``1 / group_size``
-    on the values if `mean_flag`: the same sum, kept sparse.
+    on the values if `mean`: the same sum, kept sparse.
 
-    Convention: ``mean_flag=False`` is the exact adjoint for the SUM
+    Convention: ``mean=False`` is the exact adjoint for the SUM
     objective (each copy receives ``dL/dtheta = sum_r dy_r``);
-    ``mean_flag=True``, the default, is the gradient of the MEAN of the
+    ``mean=True``, the default, is the gradient of the MEAN of the
     replicas' losses. MindSpore: _MirrorOperator. Ranks outside `group` get `x` back and their
     gradient passes through unchanged. With a group of one this is
     ``tf.identity`` both ways (no scaling).
@@ -105,7 +105,8 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
 
     Args:
         x: a floating tensor (a parameter or its copy).
-        mean_flag: divide the reduced gradient by the group size.
+        mean: divide the reduced gradient by the group size (`mean_flag`,
+            its former name, is still accepted).
         group: None (all replicas), a list of global ranks or a `Group`.
         fusion: int >= 0, the fusion group id; 0 (default) never fuses.
         timeout: seconds before a missing peer raises DeadlineExceeded.
@@ -115,11 +116,11 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
         `x`, unchanged.
 
     Raises:
-        TypeError: a non-floating `x`, a non-bool `mean_flag` or a non-int
+        TypeError: a non-floating `x`, a non-bool `mean` or a non-int
             `fusion`.
         ValueError: a group outside the world or a negative `fusion`.
     """
-    _validation.boolean(mean_flag, "mean_flag")
+    mean = _checks.mean_argument(mean, mean_flag, True)
     fusion = _fusion.validate_fusion(fusion)
     x = D.float_input(x, _checks.what("mirror_operator", name))
     call = _collective.resolve(group, timeout, name)
@@ -127,8 +128,8 @@ def mirror_operator(x, mean_flag=True, group=None, *, fusion=0, timeout=None, na
     def backward(dy, x, y):
         if isinstance(dy, tf.IndexedSlices):
             g = all_gather_indexed_slices(dy, call)
-            return tf.IndexedSlices(_scale(g.values, mean_flag, call), g.indices, g.dense_shape)
-        return _reduced(dy, mean_flag, call, fusion)
+            return tf.IndexedSlices(_scale(g.values, mean, call), g.indices, g.dense_shape)
+        return _reduced(dy, mean, call, fusion)
 
     return D.collective(x, call, None, backward, sparse_grad=True)
 
@@ -143,9 +144,10 @@ def mirror_mini_step_operator(
     accumulator,
     step,
     accumulation_steps,
-    mean_flag=True,
+    mean=True,
     group=None,
     *,
+    mean_flag=None,
     timeout=None,
     name=None,
 ):
@@ -157,7 +159,7 @@ def mirror_mini_step_operator(
 
     * update step (``step % accumulation_steps == 0``):
       ``dx = all_reduce_sum(accumulator)`` over the group (times
-      ``1 / group_size`` if `mean_flag`), and the accumulator is reset to
+      ``1 / group_size`` if `mean`), and the accumulator is reset to
       zeros. dx is the SUM over the last `accumulation_steps` mini-steps and
       over the group of dy (not divided by `accumulation_steps`).
     * other steps: ``dx = zeros`` and no communication.
@@ -178,13 +180,14 @@ def mirror_mini_step_operator(
         step: a per-replica integer variable counting backward calls,
             initially 0.
         accumulation_steps: int >= 1, mini-steps per update.
-        mean_flag: divide the reduced gradient by the group size.
+        mean: divide the reduced gradient by the group size (`mean_flag`,
+            its former name, is still accepted).
         group, timeout, name: as in `mirror_operator`.
 
     Returns:
         `x`, unchanged.
     """
-    _validation.boolean(mean_flag, "mean_flag")
+    mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.accumulation_steps(accumulation_steps)
     x = D.float_input(x, _checks.what("mirror_mini_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
@@ -198,7 +201,7 @@ def mirror_mini_step_operator(
             total = _take(accumulator, dy.dtype)
             if call.trivial:
                 return total
-            return D.on_members(call, lambda t: _reduced(t, mean_flag, call), total)
+            return D.on_members(call, lambda t: _reduced(t, mean, call), total)
 
         return _branch(update, release, lambda: tf.zeros_like(dy))
 
@@ -213,10 +216,11 @@ def mirror_mini_step_operator(
 def mirror_micro_step_operator(
     x,
     accumulator,
-    mean_flag=True,
+    mean=True,
     group=None,
     optimizer_shard=False,
     *,
+    mean_flag=None,
     timeout=None,
     name=None,
 ):
@@ -231,7 +235,7 @@ def mirror_micro_step_operator(
     accumulator is reset to zeros, and
 
     * ``optimizer_shard=False``: ``dx = all_reduce_sum(total)`` over the
-      group, times ``1 / group_size`` if `mean_flag`;
+      group, times ``1 / group_size`` if `mean`;
     * ``optimizer_shard=True``: ``dx = total``, no communication: a sharded
       optimizer reduce-scatters it (all-reducing here too would count the
       gradient group-size times).
@@ -246,14 +250,15 @@ def mirror_micro_step_operator(
     Args:
         x: a floating tensor.
         accumulator: a per-replica variable shaped like `x`, initially zeros.
-        mean_flag: divide the reduced gradient by the group size.
+        mean: divide the reduced gradient by the group size (`mean_flag`,
+            its former name, is still accepted).
         group, timeout, name: as in `mirror_operator`.
         optimizer_shard: return the local accumulated gradient unreduced.
 
     Returns:
         `x`, unchanged.
     """
-    _validation.boolean(mean_flag, "mean_flag")
+    mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.boolean(optimizer_shard, "optimizer_shard")
     x = D.float_input(x, _checks.what("mirror_micro_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
@@ -265,7 +270,7 @@ def mirror_micro_step_operator(
             total = _take(accumulator, dy.dtype)
         if not reduce:
             return total
-        return D.on_members(call, lambda t: _reduced(t, mean_flag, call), total)
+        return D.on_members(call, lambda t: _reduced(t, mean, call), total)
 
     return D.with_gradient(x, tf.identity, backward)
 
@@ -304,12 +309,12 @@ def _gathered_input(x, accumulator, fn_name, group, timeout, name):
     return x, call
 
 
-def _scatter_total(total, mean_flag, call):
+def _scatter_total(total, mean, call):
     # A member's share of the accumulated gathered gradient: its slice of
     # the reduce-scatter SUM (the whole total in a group of one).
     if call.trivial:
-        return _scale(total, mean_flag, call)
-    return _collective.run(lambda: _scale(D.reduce_scatter(total, call), mean_flag, call))
+        return _scale(total, mean, call)
+    return _collective.run(lambda: _scale(D.reduce_scatter(total, call), mean, call))
 
 
 def mini_step_all_gather(
@@ -317,9 +322,10 @@ def mini_step_all_gather(
     accumulator,
     step,
     accumulation_steps=1,
-    mean_flag=True,
+    mean=True,
     group=None,
     *,
+    mean_flag=None,
     timeout=None,
     name=None,
 ):
@@ -332,12 +338,12 @@ def mini_step_all_gather(
 
     * update step (``step % accumulation_steps == 0``):
       ``dx = reduce_scatter_sum(accumulator)`` (the SUM over the group, this
-      member's slice of axis 0), times ``1 / group_size`` if `mean_flag`;
+      member's slice of axis 0), times ``1 / group_size`` if `mean`;
       the accumulator is reset to zeros.
     * other steps: ``dx = zeros``, no communication.
 
     With ``accumulation_steps=1`` this is the all-gather's own backward
-    (reduce-scatter of dy). Convention: ``mean_flag=False`` is the exact
+    (reduce-scatter of dy). Convention: ``mean=False`` is the exact
     adjoint for the SUM objective. As in `mirror_mini_step_operator`, the
     op owns the buffer and non-update steps return zeros. MindSpore:
     _MiniStepAllGather.
@@ -351,12 +357,12 @@ def mini_step_all_gather(
             (``x.shape[0] * group_size`` rows), initially zeros.
         step: a per-replica integer variable, initially 0.
         accumulation_steps: int >= 1.
-        mean_flag, group, timeout, name: as in `mirror_operator`.
+        mean, group, timeout, name: as in `mirror_operator`.
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _validation.boolean(mean_flag, "mean_flag")
+    mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.accumulation_steps(accumulation_steps)
     x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name)
 
@@ -370,7 +376,7 @@ def mini_step_all_gather(
             update = _counts_step(step, accumulation_steps)
 
         def release():
-            return _scatter_total(_take(accumulator, dy.dtype), mean_flag, call)
+            return _scatter_total(_take(accumulator, dy.dtype), mean, call)
 
         return _branch(update, release, lambda: tf.zeros_like(x))
 
@@ -378,7 +384,7 @@ def mini_step_all_gather(
 
 
 def micro_step_all_gather(
-    x, accumulator, mean_flag=True, group=None, *, timeout=None, name=None
+    x, accumulator, mean=True, group=None, *, mean_flag=None, timeout=None, name=None
 ):
     """All-gathers a parameter shard; reduces the micro-steps' accumulated gradient.
 
@@ -387,7 +393,7 @@ def micro_step_all_gather(
     micro-batches' gradients of y, e.g. written by `virtual_assign_add`),
     the accumulator is reset to zeros, and
     ``dx = reduce_scatter_sum(total)`` (this member's slice of axis 0),
-    times ``1 / group_size`` if `mean_flag`.
+    times ``1 / group_size`` if `mean`.
 
     dy itself is added and the buffer reset, so with no other writer this is
     the all-gather's own backward. MindSpore: _MicroStepAllGather.
@@ -398,12 +404,12 @@ def micro_step_all_gather(
     Args:
         x: this member's shard, a floating tensor of rank >= 1.
         accumulator: a per-replica variable shaped like the gathered output.
-        mean_flag, group, timeout, name: as in `mirror_operator`.
+        mean, group, timeout, name: as in `mirror_operator`.
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
-    _validation.boolean(mean_flag, "mean_flag")
+    mean = _checks.mean_argument(mean, mean_flag, True)
     x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name)
 
     def backward(dy, x, y):
@@ -412,6 +418,6 @@ def micro_step_all_gather(
             return _collective.run(lambda: dy)
         with tf.control_dependencies([_add_into(accumulator, dy)]):
             total = _take(accumulator, dy.dtype)
-        return _scatter_total(total, mean_flag, call)
+        return _scatter_total(total, mean, call)
 
     return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)

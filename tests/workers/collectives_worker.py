@@ -150,7 +150,7 @@ for group in (None, SUB):
         "exact",
     )
 CASES["all_gather_mean_flag"] = (
-    lambda x: K.all_gather(x, mean_flag=True),
+    lambda x: K.all_gather(x, mean=True),
     lambda xs: [tf.concat(xs, 0)] * N,
     False,
     ("scale", 1.0 / N),

@@ -105,7 +105,7 @@ def fused(x):
         [
             ops.mirror_operator(a, fusion=1) ** 2,
             ops.all_reduce(b * b, fusion=1),
-            ops.mirror_operator(c, mean_flag=False, group=sub, fusion=1),
+            ops.mirror_operator(c, mean=False, group=sub, fusion=1),
         ],
         0,
     )
@@ -129,7 +129,7 @@ def stateless_cases():
     return {
         "mirror_mean": linear_case(lambda x: ops.mirror_operator(x), tied(world, 1.0 / N)),
         "mirror_subgroup_sum": linear_case(
-            lambda x: ops.mirror_operator(x, mean_flag=False, group=sub), tied(sub, 1.0)
+            lambda x: ops.mirror_operator(x, mean=False, group=sub), tied(sub, 1.0)
         ),
         "mini_step_all_gather_k1": linear_case(
             lambda x: ops.mini_step_all_gather(x, acc, step, 1, True),
@@ -197,7 +197,7 @@ def stateful_cases(mode):
                 if s == 0:
                     y = ops.virtual_assign_add(x, acc2)
                 else:
-                    y = ops.mirror_micro_step_operator(x, acc2, mean_flag=False, group=sub)
+                    y = ops.mirror_micro_step_operator(x, acc2, mean=False, group=sub)
                 loss = quad_loss(y, r, s)
             grads.append(tape.gradient(loss, x))
         return grads
