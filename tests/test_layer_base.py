@@ -14,7 +14,7 @@ REQUIRED = {
     "AlltoAll": dict(split_count=1, split_dim=0, concat_dim=0),
     "MirrorMiniStepOperator": dict(accumulation_steps=2),
     "NeighborExchange": dict(send_ranks=[[None]], recv_ranks=[[None]], recv_shapes=[(2,)], send_shapes=[(2,)]),
-    "NeighborExchangeV2": dict(
+    "HaloExchange": dict(
         send_rank_ids=[[-1] * 8], send_lens=[0, 0, 0, 0], recv_rank_ids=[[-1] * 8], recv_lens=[0, 0, 0, 0]
     ),
     "Receive": dict(src=0, shape=(2,)),
