@@ -1,5 +1,7 @@
 """Broadcast (exact and identity gradients) and Reduce: ops and layers."""
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -29,16 +31,49 @@ def ref_broadcast(root, group=None):
     return fn
 
 
-def ref_reduce(dest, group=None):
+def _tie_convention(reduce_fn):
+    """`reduce_fn` over a list, with keras_comm's gradient convention on ties.
+
+    TF's own reduce_max/min gradient splits dy among tied entries; keras_comm
+    (as MindSpore) gives each tied member all of it: ``dx_r = dy * (x_r == y)``.
+    """
+
+    def fn(xs):
+        y = tf.stop_gradient(reduce_fn(tf.stack(xs), 0))
+        return y + tf.add_n([tf.cast(tf.equal(x, y), x.dtype) * (x - tf.stop_gradient(x)) for x in xs])
+
+    return fn
+
+
+_REDUCE = {
+    "sum": lambda xs: tf.add_n(xs),
+    "prod": lambda xs: tf.reduce_prod(tf.stack(xs), 0),
+    "max": _tie_convention(tf.reduce_max),
+    "min": _tie_convention(tf.reduce_min),
+}
+# TF's own gradients, for inputs without ties (an independent check of MAX/MIN).
+_REDUCE_UNTIED = dict(
+    _REDUCE,
+    max=lambda xs: tf.reduce_max(tf.stack(xs), 0),
+    min=lambda xs: tf.reduce_min(tf.stack(xs), 0),
+)
+
+
+def ref_reduce(dest, group=None, op="sum", table=_REDUCE):
     def fn(xs):
         m = _members(xs, group)
-        total = tf.add_n([xs[i] for i in m])
+        total = table[op]([xs[i] for i in m])
         return [
             (total if r == dest else tf.zeros_like(total)) if r in m else xs[r]
             for r in range(len(xs))
         ]
 
     return fn
+
+
+def _distinct(r, n):
+    # Distinct across ranks (no ties), mixed signs, no zeros.
+    return (np.arange(1, 7, dtype=np.float64).reshape(2, 3) * (r + 1) * 0.37) - 0.5 * r
 
 
 @pytest.mark.inprocess
@@ -71,6 +106,73 @@ def test_reduce(strategy, mode, dest):
 
 
 @pytest.mark.inprocess
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+def test_reduce_op_forward_closed_form(strategy, mode, op):
+    n = strategy.num_replicas_in_sync
+    want = {"sum": n * (n + 1) / 2, "prod": math.factorial(n), "max": n, "min": 1}[op]
+
+    def fn():
+        return kc_ops.reduce(tf.fill([3], tf.cast(keras_comm.rank() + 1, tf.float64)), n - 1, op=op)
+
+    for r, y in enumerate(run_replicas(strategy, fn, mode=mode)):
+        np.testing.assert_array_equal(y, [want] * 3 if r == n - 1 else [0, 0, 0])
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("dest", [0, 1])
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+def test_reduce_op_gradient(strategy, mode, op, dest):
+    """Checked against TF's own reduce_* gradients (no ties here)."""
+    _gradcheck.check(
+        strategy,
+        lambda x: kc_ops.reduce(x, dest, op=op),
+        ref_reduce(dest, op=op, table=_REDUCE_UNTIED),
+        _distinct,
+        mode=mode,
+    )
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_reduce_ties_every_tied_rank_gets_full_gradient(strategy, mode, op):
+    n = strategy.num_replicas_in_sync
+    sign = 1 if op == "max" else -1
+
+    def make(r, n):
+        x = _distinct(r, n) * sign
+        x[0, 0] = 100.0 * sign  # tie on every rank
+        x[1, 1] = 100.0 * sign if r in (0, n - 1) else 0.0  # tie on two ranks
+        return x
+
+    got = _gradcheck.check(strategy, lambda x: kc_ops.reduce(x, 1, op=op), ref_reduce(1, op=op), make, mode=mode)
+    w_dest = _gradcheck.loss_weights(1, [2, 3]).numpy()
+    for r, (_, g) in enumerate(got):
+        np.testing.assert_allclose(g[0, 0], w_dest[0, 0], rtol=1e-12)
+        np.testing.assert_allclose(g[1, 1], w_dest[1, 1] if r in (0, n - 1) else 0.0, rtol=1e-12)
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("zero_ranks", [[0], [0, 1]], ids=["one_zero", "two_zeros"])
+def test_reduce_prod_gradient_with_zeros(strategy, mode, zero_ranks):
+    def make(r, n):
+        x = _distinct(r, n)
+        if r in zero_ranks:
+            x[0, 1] = 0.0  # same element on the zero ranks
+            x[1, r] = 0.0  # and one element only this rank zeroes
+        return x
+
+    got = _gradcheck.check(strategy, lambda x: kc_ops.reduce(x, 1, op="prod"), ref_reduce(1, op="prod"), make, mode=mode)
+    for _, g in got:
+        assert np.all(np.isfinite(g))
+    if len(zero_ranks) == 1:
+        # One zero: only the zero rank's gradient there is nonzero.
+        assert got[0][1][0, 1] != 0.0
+        assert all(g[0, 1] == 0.0 for _, g in got[1:])
+    else:
+        assert all(g[0, 1] == 0.0 for _, g in got)
+
+
+@pytest.mark.inprocess
 def test_closed_form(strategy, mode):
     n = strategy.num_replicas_in_sync
 
@@ -91,6 +193,8 @@ def test_subgroups(mode, group):
     for op_fn, ref_fn in (
         (lambda x: kc_ops.broadcast(x, root, group), ref_broadcast(root, group)),
         (lambda x: kc_ops.reduce(x, root, group), ref_reduce(root, group)),
+        (lambda x: kc_ops.reduce(x, root, group, op="prod"), ref_reduce(root, group, "prod")),
+        (lambda x: kc_ops.reduce(x, root, group, op="max"), ref_reduce(root, group, "max")),
     ):
         got = _gradcheck.check(strategy, op_fn, ref_fn, _input, mode=mode)
         for r in set(range(4)) - set(group):
@@ -118,6 +222,8 @@ def test_dtypes_forward(dtype):
         (lambda: kc_ops.broadcast(tf.ones([1]), gradient="mean"), ValueError, "Received: gradient='mean'"),
         (lambda: kc_ops.reduce(tf.ones([1]), dest=2), ValueError, "Received: dest=2"),
         (lambda: kc_ops.reduce(tf.ones([1]), dest=0.0), TypeError, "Received: dest=0.0"),
+        (lambda: kc_ops.reduce(tf.ones([1]), op="mean"), ValueError, "Received: op='mean'"),
+        (lambda: kc_ops.reduce(tf.ones([1]), op=1), TypeError, "Received: op=1"),
     ],
 )
 def test_bad_arguments(call, error, text):
@@ -160,7 +266,16 @@ def test_layer_config_and_errors():
     assert (cfg["root"], cfg["group"], cfg["gradient"], cfg["timeout"]) == (2, [2, 3], "identity", 5.0)
     assert kc_layers.Broadcast.from_config(cfg).get_config() == cfg
     cfg = kc_layers.Reduce(dest=1).get_config()
+    assert cfg["op"] == "sum"
     assert kc_layers.Reduce.from_config(cfg).get_config() == cfg
+    cfg = kc_layers.Reduce(dest=1, op=kc_ops.ReduceOp.MAX).get_config()
+    assert cfg["op"] == "max"
+    assert kc_layers.Reduce.from_config(cfg).get_config() == cfg
+    # A config saved before `op` existed loads as a SUM reduce.
+    old = {k: v for k, v in cfg.items() if k != "op"}
+    assert kc_layers.Reduce.from_config(old).op is kc_ops.ReduceOp.SUM
+    with pytest.raises(ValueError, match=r"Received: op='avg'"):
+        kc_layers.Reduce(op="avg")
     with pytest.raises(ValueError, match=r"Received: root=0"):
         kc_layers.Broadcast(root=0, group=[1, 2])
     with pytest.raises(ValueError, match=r"Received: gradient='sum'"):
@@ -171,7 +286,11 @@ def test_layer_config_and_errors():
 
 def test_layers_in_models_and_save_load(tmp_path):
     x = np.arange(6, dtype="float32").reshape(3, 2)
-    for layer_fn in (lambda: kc_layers.Broadcast(gradient="identity"), lambda: kc_layers.Reduce()):
+    for layer_fn in (
+        lambda: kc_layers.Broadcast(gradient="identity"),
+        lambda: kc_layers.Reduce(),
+        lambda: kc_layers.Reduce(op="prod"),
+    ):
         seq = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), layer_fn()])
         inp = keras.Input((2,))
         func = keras.Model(inp, layer_fn()(keras.layers.Dense(3)(inp)))

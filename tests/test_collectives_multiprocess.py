@@ -20,6 +20,9 @@ def test_collectives_match_simulation(num_workers):
         # Every op, both modes, and the subgroup cases ran.
         assert len(errors) >= 2 * 20, sorted(errors)
         assert any(name.startswith("eager/") and "subgroup" in name for name in errors)
+        for mode in ("eager", "function"):
+            for op in ("prod", "max", "min"):
+                assert f"{mode}/reduce_{op}" in errors, sorted(errors)
         bad = {
             name: err
             for name, err in errors.items()

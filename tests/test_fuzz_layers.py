@@ -90,12 +90,26 @@ def test_constructor_and_call_never_crash(cls, data):
         return
     if cls.__name__ in IDENTITY_ON_ONE_RANK and tf.is_tensor(y):
         want = x
-        if cls.__name__ == "VirtualDiv":
-            return  # forward identity, checked below only for shape
         assert tuple(y.shape) == tuple(want.shape)
         np.testing.assert_array_equal(
             np.asarray(tf.cast(y, "float64")), np.asarray(tf.cast(tf.cast(want, y.dtype), "float64"))
         )
+    if cls.__name__ == "VirtualDiv" and x.dtype.is_floating:
+        _check_divided_gradient(layer, x)
+
+
+def _check_divided_gradient(layer, x):
+    """VirtualDiv's whole point: the gradient through it is dy / divisor."""
+    w = tf.reshape(1 + tf.math.floormod(tf.range(tf.size(x)), 3), tf.shape(x))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)  # may be autocast to the layer's compute dtype
+        loss = tf.reduce_sum(tf.cast(w, y.dtype) * y)
+    grad = tape.gradient(loss, x)
+    want = np.asarray(w, np.float64) / float(layer.divisor)
+    tols = {"float16": 1e-3, "float32": 1e-6, "float64": 1e-12}
+    tol = max(tols[x.dtype.name], tols[y.dtype.name])
+    np.testing.assert_allclose(np.asarray(grad, np.float64), want, rtol=tol, atol=tol * 1e-4)
 
 
 @settings(max_examples=30, deadline=None)

@@ -28,6 +28,30 @@ def test_send_receive_gradcheck(strategy, mode):
 
 
 @pytest.mark.inprocess
+def test_send_layer_gradient(strategy, mode):
+    """Send's own rule, through the layer: dx = dy + the receiver's gradient.
+
+    The sender uses its Send output nonlinearly (so dy depends on x) and the
+    receiver squares what arrives; a Send backward that drops either term
+    fails the float64 simulation.
+    """
+    n = strategy.num_replicas_in_sync
+    recv_from = cases.p2p_routes(n)
+    send_to = {s: d for d, s in recv_from.items()}
+    send = L.Send(dest=send_to, tag=4, timeout=60, dtype="float64")
+
+    def op_fn(x):
+        y = send(x)
+        got = ops.receive(y, recv_from, tag=4, timeout=60)
+        return tf.sin(y) + got**2
+
+    def ref_fn(xs):
+        return [tf.sin(xs[r]) + xs[recv_from.get(r, r)] ** 2 for r in range(n)]
+
+    _gradcheck.check(strategy, op_fn, ref_fn, cases._rank_input([2, 3]), mode=mode)
+
+
+@pytest.mark.inprocess
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int32"])
 def test_send_receive_dtypes(dtype):
     strategy = make_strategy(2)

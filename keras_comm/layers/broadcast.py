@@ -6,6 +6,7 @@ from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops.broadcast import broadcast
 from keras_comm.ops.broadcast import reduce
 from keras_comm.ops.broadcast import validate_gradient
+from keras_comm.ops.reduce_op import ReduceOp
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -52,28 +53,50 @@ class Broadcast(CollectiveLayer):
 
 @keras.saving.register_keras_serializable(package="keras_comm")
 class Reduce(CollectiveLayer):
-    """Sums the input over the group into member `dest`.
+    """Reduces the input over the group (`op`: sum, prod, max, min) into member `dest`.
 
-    Forward: the sum at `dest`; zeros of the same shape on the other members.
-    Backward: dy of `dest` broadcast to every member (exact adjoint, given
-    the zeros). See `keras_comm.ops.reduce`.
+    Forward: the reduction at `dest`; zeros of the same shape on the other
+    members. Backward (exact adjoint, given the zeros), with g = dy of
+    `dest` broadcast to every member: SUM -> g; PROD -> g times the product
+    of the *other* members' inputs (exact at zeros); MAX/MIN -> g where the
+    input equals the result (on ties every tied member gets all of g, as for
+    `AllReduce`). See `keras_comm.ops.reduce`.
 
     Args:
         dest: GLOBAL rank of the destination; must be in `group`.
         group: None (all replicas) or a list of global ranks.
         timeout: seconds; None for `keras_comm.get_timeout()`.
+        op: a `keras_comm.ops.ReduceOp` or "sum" (default), "prod", "max",
+            "min". Keyword-only, after the older arguments, so positional
+            calls written before it existed keep their meaning.
 
     Input shape: any, the same on every member. Output shape: the same.
+
+    Raises:
+        ValueError, TypeError: a bad `dest`, `group`, `timeout` or `op` (at
+            construction).
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    layer = keras_comm.layers.Reduce(dest=0, op="max")
+    out = strategy.run(lambda: layer(tf.ones([2]) * (keras_comm.rank() + 1)))
+    ```
     """
 
-    def __init__(self, dest=0, group=None, timeout=None, **kwargs):
+    def __init__(self, dest=0, group=None, timeout=None, *, op="sum", **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
         self.dest = self._group_member(dest, "dest")
+        self.op = ReduceOp.from_value(op)
 
     def call(self, inputs):
-        return reduce(inputs, self.dest, self.group, timeout=self.timeout, name=self.name)
+        return reduce(
+            inputs, self.dest, self.group, op=self.op, timeout=self.timeout, name=self.name
+        )
 
     def get_config(self):
         cfg = super().get_config()
-        cfg["dest"] = self.dest
+        # Configs saved before `op` existed have no "op" key; they load as "sum".
+        cfg.update({"dest": self.dest, "op": self.op.value})
         return cfg

@@ -73,7 +73,7 @@ def _all_reduce_dense(x, op, call, fusion=0):
         if op is ReduceOp.SUM:
             return total
         if op is ReduceOp.PROD:
-            return _prod_grad(x, total, call)
+            return prod_grad(x, total, call)
         # MAX / MIN: the full summed gradient goes to every member whose x
         # equals the result; on ties every tied member gets all of it (a
         # subgradient would split it).
@@ -82,7 +82,8 @@ def _all_reduce_dense(x, op, call, fusion=0):
     return D.collective(x, call, forward, backward, sparse_grad=op is ReduceOp.SUM)
 
 
-def _prod_grad(x, summed_dy, call):
+def prod_grad(x, summed_dy, call):
+    """``summed_dy * prod_{t != r} x_t`` on member r (private; shared with reduce)."""
     # d(prod_t x_t)/dx_r = prod_{t != r} x_t, computed as an exclusive product
     # of the gathered inputs (prefix times suffix): exact, and finite when some
     # x are zero, where out / x would be NaN. Costs one all-gather.

@@ -10,6 +10,8 @@ from keras_comm import _validation
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
+from keras_comm.ops.all_reduce import prod_grad
+from keras_comm.ops.reduce_op import ReduceOp
 
 BROADCAST_GRADIENTS = ("exact", "identity")
 
@@ -70,37 +72,56 @@ def broadcast(x, root=0, group=None, *, gradient="exact", timeout=None, name=Non
     return D.collective(x, call, forward, None if gradient == "identity" else backward)
 
 
-def reduce(x, dest=0, group=None, *, timeout=None, name=None):
-    """Sums `x` over the group into member `dest`.
+def reduce(x, dest=0, group=None, *, op="sum", timeout=None, name=None):
+    """Reduces `x` elementwise over the group into member `dest`.
 
-    Forward: ``y_dest = sum_r x_r``; the other members output zeros of the
-    same shape, so every output is well defined and the backward below is
-    the exact adjoint.
-    Backward: ``dx_r = dy_dest`` on every member (broadcast from `dest`).
-    MindSpore: Reduce.
+    Forward: ``y_dest = op(x_0, ..., x_{n-1})``; the other members output
+    zeros of the same shape, so every output is well defined and the
+    backward below is the exact adjoint (only `dest`'s dy matters).
+    Backward, with ``g = dy_dest`` broadcast from `dest` to every member:
 
-    Implemented as an all-reduce (TF has no reduce-to-one collective).
+    * SUM: ``dx_r = g``.
+    * PROD: ``dx_r = g * prod_{t != r} x_t``. The product of the *other*
+      members' x comes from an all-gather and an exclusive product (as in
+      `all_reduce`), so zeros in x give exact, finite gradients. Costs one
+      extra all-gather of x.
+    * MAX / MIN: ``dx_r = g * (x_r == y_dest)``; `dest`'s result travels
+      with dy in the same broadcast. Convention (as `all_reduce`): on ties
+      every tied member receives the full gradient.
+
+    MindSpore: Reduce (its bprop broadcasts dy from dest). Implemented as an
+    all-reduce (TF has no reduce-to-one collective).
 
     Args:
         x: a tensor, same shape on every member.
         dest: the destination's GLOBAL rank; must be in the group.
         group, timeout, name: as for `broadcast`.
+        op: a `ReduceOp` or "sum", "prod", "max", "min".
 
     Raises:
-        ValueError: `dest` not in the group. TypeError: `dest` not an int,
-            or an unsupported dtype.
+        ValueError: `dest` not in the group, or an unknown `op`.
+        TypeError: `dest` not an int, `op` not a `ReduceOp` or string, or an
+            unsupported dtype.
     """
     what = _checks.what("reduce", name)
+    op = ReduceOp.from_value(op)
     x = tf.convert_to_tensor(x)
     D.check_dtype(x, what)
     call = _collective.resolve(group, timeout, name)
     dest_index = _checks.member_index(call.group, dest, "dest", what)
 
     def forward(x):
-        total = D.all_reduce(x, call, "sum")
-        return total if call.index == dest_index else tf.zeros_like(total)
+        y = D.all_reduce(x, call, op.value)
+        return y if call.index == dest_index else tf.zeros_like(y)
 
     def backward(dy, x, y):
-        return D.broadcast(dy, call, dest_index)
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            # y is the result only at dest; send it along with dy.
+            g, result = tf.unstack(D.broadcast(tf.stack([dy, y]), call, dest_index))
+            return g * tf.cast(tf.equal(x, result), dy.dtype)
+        g = D.broadcast(dy, call, dest_index)
+        if op is ReduceOp.PROD:
+            return prod_grad(x, g, call)
+        return g
 
     return D.collective(x, call, forward, backward)

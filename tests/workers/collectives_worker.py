@@ -69,6 +69,15 @@ CASES["all_reduce_prod_zeros"] = (
     True,
     "exact",
 )
+for op, zeros in (("prod", True), ("max", False), ("min", False)):
+    CASES[f"reduce_{op}"] = (
+        lambda x, op=op: K.reduce(x, ROOT, op=op),
+        lambda xs, op=op: per_member(
+            xs, None, lambda m, r: red(op)([xs[i] for i in m]) * (1.0 if r == ROOT else 0.0)
+        ),
+        zeros,
+        "exact",
+    )
 CASES["all_reduce_sum_subgroup"] = (
     lambda x: K.all_reduce(x, "sum", SUB),
     lambda xs: per_member(xs, SUB, lambda m, r: tf.add_n([xs[i] for i in m])),
