@@ -35,6 +35,17 @@ def _optimizer_class():
     return TFOptimizer
 
 
+def tf_optimizer_class():
+    """Keras's TensorFlow-backend optimizer base class (`keras.src` path).
+
+    keras_comm.parallel's checkpointing replaces its public
+    `save_own_variables` / `load_own_variables` so that optimizer slots of
+    sharded weights are written full-size and read back as each replica's
+    slice; only the class itself is private (it is not exported by Keras).
+    """
+    return _optimizer_class()
+
+
 def trainer_patched():
     """Whether `install_trainer_methods` is in effect."""
     return hasattr(_trainer_module(), _ORIGINALS_ATTR)

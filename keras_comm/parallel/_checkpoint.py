@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from keras_comm._private import keras_api
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
 
@@ -182,9 +183,7 @@ def _load_optimizer(self, store):
 
 
 def _optimizer_class():
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    return TFOptimizer
+    return keras_api.tf_optimizer_class()
 
 
 def _original(name):
