@@ -129,11 +129,18 @@ class _Tee:
         self.log = log
         self.console = console
         self.markers = markers
+        self._line = ""
 
     def write(self, text):
+        # The launcher forwards output as it is written, not line by line:
+        # choose what reaches the console per whole line.
         self.log.write(text)
-        if self.console is not None and any(m in text for m in self.markers):
-            self.console.write(text)
+        if self.console is None:
+            return
+        *lines, self._line = (self._line + text).split("\n")
+        for line in lines:
+            if any(m in line for m in self.markers):
+                self.console.write(line + "\n")
 
     def flush(self):
         self.log.flush()
