@@ -63,6 +63,9 @@ class Console:
         if current is not None and current is not owner:
             current.console.write("\n")
             current.at_line_start = True
+            # The newline that really ends that line may still be in its pipe:
+            # it must not print a second, empty line when it arrives.
+            current.line_ended_for_it = True
             self.state["open"] = None
 
     def write_line(self, text):
@@ -145,6 +148,10 @@ class Forwarder:
         if self.console is None:
             return
         with self.console.lock:
+            if getattr(self, "line_ended_for_it", False):
+                self.line_ended_for_it = False
+                if text.startswith("\n"):
+                    text = text[1:]
             pieces = []
             start = 0
             for i, char in enumerate(text):
