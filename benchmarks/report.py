@@ -415,14 +415,25 @@ def _plot_reduce_scatter(plt, rs):
     return fig
 
 
+def _bar(lengths):
+    """Error-bar lengths, never negative.
+
+    The plotted value is a median over the whole run while the bars come
+    from per-round extremes, so on a loaded machine a value can fall just
+    outside its own [slowest, fastest] round; matplotlib refuses a negative
+    length (a smoke run failed on it), and a zero-length bar says the truth.
+    """
+    return [max(0.0, x) for x in lengths]
+
+
 def _plot_scaling(plt, scaling):
     fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 4.2))
     for model in sorted({r["model"] for r in scaling}):
         rows = [r for r in scaling if r["model"] == model]
         ys = [r["samples_per_s"] for r in rows]
         if all("step_min_s" in r for r in rows):
-            lower = [y - r["global_batch"] / r["step_max_s"] for y, r in zip(ys, rows)]
-            upper = [r["global_batch"] / r["step_min_s"] - y for y, r in zip(ys, rows)]
+            lower = _bar([y - r["global_batch"] / r["step_max_s"] for y, r in zip(ys, rows)])
+            upper = _bar([r["global_batch"] / r["step_min_s"] - y for y, r in zip(ys, rows)])
             ax.errorbar([r["workers"] for r in rows], ys, yerr=[lower, upper], marker="o", capsize=4, label=model)
         else:
             ax.plot([r["workers"] for r in rows], ys, marker="o", label=model)
@@ -448,8 +459,8 @@ def _plot_parallel_optimizer(plt, rows, n):
     ys = [r["time_per_sample_us"] for r in rows]
     if all("micro_batch_min_s" in r for r in rows):
         per = [r["global_micro_batch"] / 1e6 for r in rows]
-        err = [[y - r["micro_batch_min_s"] / p for y, r, p in zip(ys, rows, per)],
-               [r["micro_batch_max_s"] / p - y for y, r, p in zip(ys, rows, per)]]
+        err = [_bar([y - r["micro_batch_min_s"] / p for y, r, p in zip(ys, rows, per)]),
+               _bar([r["micro_batch_max_s"] / p - y for y, r, p in zip(ys, rows, per)])]
         a1.bar(idx, ys, yerr=err, capsize=4)
         a1.set_title("time per sample (bars: slowest and fastest round)")
     else:
