@@ -65,12 +65,33 @@ def extra_callbacks(config):
     return []
 
 
+def _wait_for_last_backup(backup_dir, seconds=60):
+    """Waits until the chief's last backup before KILL_STEP is on disk.
+
+    The chief writes that backup after the step rank 1 has just finished
+    (po1: at the accumulation window's end, right before KILL_STEP); killing
+    rank 1 at once races the chief's write against the launcher stopping the
+    chief, and which backup is restored would depend on the machine's load.
+    """
+    first = KILL_STEP - SAVE_FREQ + 1
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        for name in os.listdir(backup_dir) if backup_dir.exists() else ():
+            parts = name[len("ckpt-"):-len(".json")].split("-")
+            if name.startswith("ckpt-") and name.endswith(".json") and len(parts) == 2:
+                if int(parts[0]) * STEPS + int(parts[1]) >= first:
+                    return
+        time.sleep(0.05)
+    raise RuntimeError(f"no backup at or after global step {first} in {backup_dir} after {seconds} s")
+
+
 class Steps(keras.callbacks.Callback):
     """Counts the steps actually trained; kills rank 1 once (see module doc)."""
 
-    def __init__(self, marker=None):
+    def __init__(self, marker=None, backup_dir=None):
         super().__init__()
         self.marker = marker
+        self.backup_dir = backup_dir
         self.trained = 0
         self.epoch = 0
 
@@ -80,6 +101,7 @@ class Steps(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         step = self.epoch * STEPS + batch
         if self.marker is not None and RANK == 1 and step == KILL_STEP:
+            _wait_for_last_backup(self.backup_dir)
             self.marker.write_text(json.dumps({"time": time.time(), "step": step}))
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -93,7 +115,7 @@ def run(config, state):
         str(state / f"backup-{config}"), save_freq=SAVE_FREQ
     )
     marker = state / f"killed-{config}"
-    steps = Steps(None if marker.exists() else marker)
+    steps = Steps(None if marker.exists() else marker, state / f"backup-{config}")
     model = build()
     start = time.time()
     model.fit(dataset(), epochs=EPOCHS, verbose=0,
