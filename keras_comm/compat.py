@@ -165,6 +165,10 @@ def apply():
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.apply()
+    # Keras's file-writing callbacks: chief writes, the others to temp.
+    from keras_comm.callbacks import _keras_callbacks
+
+    _keras_callbacks.install()
     return True
 
 
@@ -181,3 +185,6 @@ def revert():
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.revert()
+    from keras_comm.callbacks import _keras_callbacks
+
+    _keras_callbacks.uninstall()
