@@ -6,7 +6,8 @@ where, and what is left afterwards is checked without a cluster. Across two
 real workers: every case of tests/workers/keras_callbacks_worker.py in one
 launch (ModelCheckpoint weights / .keras / sharded, CSVLogger, TensorBoard,
 Keras's BackupAndRestore resumed vs uninterrupted, a subclass of it, and the
-log-reading EarlyStopping / ReduceLROnPlateau).
+log-reading EarlyStopping / ReduceLROnPlateau). TensorBoard is checked only
+where the tensorboard package is installed (Keras's callback needs it).
 """
 
 import os
@@ -145,6 +146,22 @@ def test_a_fit_that_raises_still_restores_paths_next_time(tmp_path, role):
     assert not os.path.exists(os.path.dirname(stale))
 
 
+def test_a_callback_list_reused_by_two_fits_is_redirected_each_time(tmp_path, role):
+    role(chief=False)
+    x, y = _data()
+    model = _model()
+    logger = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    seen = []
+    watch = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(logger.filename))
+    callbacks = keras.callbacks.CallbackList([logger, watch], add_history=True, model=model)
+    for _ in range(2):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=callbacks)
+        assert logger.filename == str(tmp_path / "log.csv")
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert not any(p.startswith(str(tmp_path)) or os.path.exists(p) for p in seen), seen
+    assert os.listdir(tmp_path) == []
+
+
 def test_evaluate_alone_drops_its_files(tmp_path, role):
     role(chief=False)
     x, y = _data()
@@ -192,6 +209,7 @@ def test_subclass_of_keras_backup_and_restore_is_refused(tmp_path, role):
 @pytest.mark.multiprocess
 def test_keras_callbacks_on_two_workers(tmp_path):
     result = run_cluster("workers/keras_callbacks_worker.py", 2, tmp_path, timeout=400).check()
+    print("\n".join(line for line in result.output.splitlines() if "] case " in line))
     chief, other = (r["results"] for r in result.results)
     for r in (chief, other):
         problems = {k: v for k, v in r.items() if isinstance(v, dict) and "exception" in v}

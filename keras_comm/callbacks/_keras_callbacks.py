@@ -145,16 +145,18 @@ def adapt(callbacks, model):
         per_batch = any(
             r.emptied_after_save and r.callback.save_freq != "epoch" for r in redirected
         )
-        out.append((_WorkerFilesPerBatch if per_batch else _WorkerFiles)(redirected))
+        files = _WorkerFiles(redirected)
+        out = [_Begin(files), *out, (_EndPerBatch if per_batch else _End)(files)]
     return out
 
 
 class _Redirect:
     """One callback writing into a temporary directory instead of its path."""
 
-    def __init__(self, callback, attribute, original, directory):
+    def __init__(self, callback, attribute, task, original, directory):
         self.callback = callback
         self.attribute = attribute
+        self.task = task
         self.original = original
         self.directory = directory
         # A checkpoint file is whole after each save and never read back:
@@ -174,7 +176,7 @@ def _redirect(callback, attribute, task):
         # The file name keeps its formatting fields ({epoch}, {loss}, ...).
         path = os.path.join(directory, os.path.basename(str(original)) or "file")
     setattr(callback, attribute, path)
-    return _Redirect(callback, attribute, original, directory)
+    return _Redirect(callback, attribute, task, original, directory)
 
 
 def _empty(directory):
@@ -207,51 +209,83 @@ def _remove_live_dirs():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-class _WorkerFiles(keras.callbacks.Callback):
-    """Last in the list: drops a non-chief worker's files once written.
+class _WorkerFiles:
+    """A non-chief worker's redirected callbacks, from `fit`'s start to its end.
 
-    Its hooks run after the redirected callbacks' own (a checkpoint is whole
-    at epoch end; files are closed at train end).
+    Two callbacks of the list drive it: `_Begin` first (a list you built and
+    pass to several `fit` calls is redirected again before its callbacks
+    open files) and `_End` last (a checkpoint is whole after its callback's
+    hook, files are closed after train end).
     """
 
     def __init__(self, redirects):
-        super().__init__()
-        self._redirects = redirects
-        self._training = False
+        self.redirects = redirects
+        self._specs = [(r.callback, r.attribute, r.task) for r in redirects]
+        self.training = False
 
-    def _after_saves(self):
-        for redirect in self._redirects:
+    def begin(self, model):
+        if self.redirects:
+            return
+        self.redirects = [_redirect(c, a, t) for c, a, t in self._specs]
+        for redirect in self.redirects:
+            if isinstance(redirect.callback, keras.callbacks.TensorBoard):
+                redirect.callback.set_model(model)  # it reads log_dir there
+
+    def after_saves(self):
+        for redirect in self.redirects:
             if redirect.emptied_after_save:
                 _empty(redirect.directory)
 
-    def _finish(self):
-        for redirect in self._redirects:
+    def finish(self):
+        for redirect in self.redirects:
             _remove(redirect)
-        self._redirects = []
+        self.redirects = []
+        self.training = False
+
+
+class _Begin(keras.callbacks.Callback):
+    def __init__(self, files):
+        super().__init__()
+        self._files = files
 
     def on_train_begin(self, logs=None):
-        self._training = True
+        self._files.begin(self.model)
+        self._files.training = True
+
+    def on_test_begin(self, logs=None):
+        if not self._files.training:
+            self._files.begin(self.model)
+
+    def on_predict_begin(self, logs=None):
+        if not self._files.training:
+            self._files.begin(self.model)
+
+
+class _End(keras.callbacks.Callback):
+    def __init__(self, files):
+        super().__init__()
+        self._files = files
 
     def on_epoch_end(self, epoch, logs=None):
-        self._after_saves()
+        self._files.after_saves()
 
     def on_train_end(self, logs=None):
-        self._finish()
+        self._files.finish()
 
     def on_test_end(self, logs=None):
-        if not self._training:  # `evaluate` on its own
-            self._finish()
+        if not self._files.training:  # `evaluate` on its own
+            self._files.finish()
 
     def on_predict_end(self, logs=None):
-        if not self._training:
-            self._finish()
+        if not self._files.training:
+            self._files.finish()
 
 
-class _WorkerFilesPerBatch(_WorkerFiles):
-    """`_WorkerFiles` for a `ModelCheckpoint` that saves every N batches."""
+class _EndPerBatch(_End):
+    """`_End` for a `ModelCheckpoint` that saves every N batches."""
 
     def on_train_batch_end(self, batch, logs=None):
-        self._after_saves()
+        self._files.after_saves()
 
 
 def _callback_list_init(original):

@@ -9,14 +9,14 @@ records, per worker, where every file was written and what it holds:
   save_weights_only=True)`, `ModelCheckpoint(".../best.keras", save_best_only=True)`,
   `ModelCheckpoint(".../m-{epoch}.keras", save_freq=4)`, `CSVLogger` and (with
   the tensorboard package installed) `TensorBoard`: which process wrote each file.
-- ``sharded_ckpt``: `ModelCheckpoint(".weights.h5")` of a tensor-parallel model
-  (saving gathers the shards: every worker must call save).
+- ``sharded``: `ModelCheckpoint(".weights.h5")` of a tensor-parallel model
+  (saving gathers the shards: every worker must call save), with
+  `EarlyStopping` and `ReduceLROnPlateau` (each worker reads its own logs:
+  they must agree).
 - ``backup``: `keras.callbacks.BackupAndRestore(save_freq=4)` interrupted before
   global step 9, then resumed by a fresh model; compared with an
   uninterrupted fit.
 - ``backup_subclass``: a user subclass of Keras's `BackupAndRestore`.
-- ``logs``: `EarlyStopping` and `ReduceLROnPlateau` (each worker reads its
-  own logs: they must agree).
 
 Every case catches its error, so one launch reports all; run a single case
 to see its own failure (a failed save on one worker leaves the other in a
@@ -213,16 +213,35 @@ def case_files(d):
     return out
 
 
-def case_sharded_ckpt(d):
+def case_sharded(d):
+    """ModelCheckpoint of a tensor-parallel model, with EarlyStopping and
+    ReduceLROnPlateau in the same fit (each worker reads its own logs)."""
     callback = keras.callbacks.ModelCheckpoint(str(d / "tp.weights.h5"), save_weights_only=True)
+    # min_delta larger than any improvement: EarlyStopping stops after its
+    # patience (after epoch 2 of 6), ReduceLROnPlateau halves the learning
+    # rate from the second epoch on.
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=10.0, factor=0.5)
+    lrs = []
     model = build(sharded=True)
-    fit(model, [callback])
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda e, logs: lrs.append(
+            float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+        )
+    )
+    history = fit(model, [callback, plateau, stop, record], epochs=6)
     out = saves(d)
     out["files"] = sorted(p.name for p in d.iterdir())
     fresh = build(sharded=True)
     fresh.load_weights(d / "tp.weights.h5")  # the chief's full-size file, on every worker
     out["reload_diff"] = max_abs(P.full_weights(model), P.full_weights(fresh))
-    return out
+    logs = {
+        "stopped_epoch": stop.stopped_epoch,
+        "epochs_run": len(history.history["loss"]),
+        "loss": [float(x) for x in history.history["loss"]],
+        "lrs": lrs,
+    }
+    return {"sharded_ckpt": out, "logs": logs}
 
 
 def case_backup(d):
@@ -265,33 +284,11 @@ def case_backup_subclass(d):
     return {"error": None}
 
 
-def case_logs(d):
-    # min_delta larger than any improvement: EarlyStopping stops after its
-    # patience, ReduceLROnPlateau halves the learning rate every epoch.
-    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)
-    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=10.0, factor=0.5)
-    lrs = []
-    model = build()
-    record = keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda e, logs: lrs.append(
-            float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-        )
-    )
-    history = fit(model, [plateau, stop, record], epochs=6)
-    return {
-        "stopped_epoch": stop.stopped_epoch,
-        "epochs_run": len(history.history["loss"]),
-        "loss": [float(x) for x in history.history["loss"]],
-        "lrs": lrs,
-    }
-
-
 CASES = {
     "files": case_files,
-    "sharded_ckpt": case_sharded_ckpt,
+    "sharded": case_sharded,
     "backup": case_backup,
     "backup_subclass": case_backup_subclass,
-    "logs": case_logs,
 }
 
 
@@ -309,7 +306,7 @@ def main(shared, names):
         started = time.time()
         try:
             outcome = CASES[name](d)
-            results.update(outcome if name == "files" else {name: outcome})
+            results.update(outcome if name in ("files", "sharded") else {name: outcome})
         except Exception as e:  # noqa: BLE001  (the case's outcome, reported)
             results[name] = {"exception": f"{type(e).__name__}: {e}"[:600]}
         print(f"case {name}: {time.time() - started:.1f} s", flush=True)
