@@ -121,7 +121,8 @@ def adapt(callbacks, model):
         `callbacks` unchanged for one worker; else a new list in which
         Keras's `BackupAndRestore` is keras_comm's and, on workers other than
         the chief, every file-writing callback writes to a temporary
-        directory (a last callback removes it at the end).
+        directory (a callback added first and one added last redirect it
+        at each start and remove it at the end).
 
     Raises:
         ValueError: for a subclass of Keras's `BackupAndRestore` that is not
@@ -132,15 +133,18 @@ def adapt(callbacks, model):
     strategy = model.distribute_strategy
     if not is_multi_worker(strategy):
         return callbacks
-    chief = _is_chief(strategy)
-    out, redirected = [], []
-    for callback in keras.tree.flatten(callbacks):
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            callback = _replacement_backup(callback)
-        attribute = _path_attribute(callback)
-        if attribute is not None and not chief:
-            redirected.append(_redirect(callback, attribute, _task_id(strategy)))
-        out.append(callback)
+    # Every replacement (or refusal) before any redirect: a refusal leaves
+    # no temporary directory behind.
+    out = [
+        _replacement_backup(c) if isinstance(c, keras.callbacks.BackupAndRestore) else c
+        for c in keras.tree.flatten(callbacks)
+    ]
+    redirected = []
+    if not _is_chief(strategy):
+        for callback in out:
+            attribute = _path_attribute(callback)
+            if attribute is not None:
+                redirected.append(_redirect(callback, attribute, _task_id(strategy)))
     if redirected:
         per_batch = any(
             r.emptied_after_save and r.callback.save_freq != "epoch" for r in redirected
@@ -290,7 +294,12 @@ class _EndPerBatch(_End):
 
 def _callback_list_init(original):
     def __init__(self, callbacks=None, *args, model=None, **kwargs):
-        original(self, adapt(callbacks, model), *args, model=model, **kwargs)
+        try:
+            adapted = adapt(callbacks, model)
+        except ValueError:
+            original(self)  # an empty but whole list: Keras 3.10's __del__ reads it
+            raise
+        original(self, adapted, *args, model=model, **kwargs)
 
     __init__.__doc__ = original.__doc__
     __init__.__wrapped__ = original
