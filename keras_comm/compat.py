@@ -36,6 +36,14 @@ tensorflow/tensorflow#72388), and where it runs it is not exact:
    identity reduction: for a weight whose gradient a comm layer (e.g.
    `MirrorOperator`) already summed, so that no gradient is reduced twice.
 
+5. `keras.callbacks.CallbackList.__init__` is wrapped so that, under
+   MultiWorkerMirroredStrategy with more than one worker, Keras's
+   `ModelCheckpoint`, `CSVLogger` and `TensorBoard` write their paths from
+   the chief only (the other workers into temporary directories they drop)
+   and Keras's `BackupAndRestore` runs as `keras_comm.callbacks.BackupAndRestore`
+   (`keras_comm.callbacks._keras_callbacks`). Stock Keras lets every worker
+   write the same files (`BlockingIOError: unable to lock file` for HDF5).
+
 This module only installs the fix: the step itself is owned by
 `keras_comm.training` (1 and 2: `training.step`; 3: `training.replicated`;
 4: `training.reduction`), whose docstrings describe each replacement.
@@ -165,6 +173,10 @@ def apply():
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.apply()
+    # Keras's file-writing callbacks: chief writes, the others to temp.
+    from keras_comm.callbacks import _keras_callbacks
+
+    _keras_callbacks.install()
     return True
 
 
@@ -181,3 +193,6 @@ def revert():
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.revert()
+    from keras_comm.callbacks import _keras_callbacks
+
+    _keras_callbacks.uninstall()

@@ -129,6 +129,47 @@ def current_gradient_reduction():
     return _optimizer_class()._all_reduce_sum_gradients
 
 
+# --- Callbacks: adapted to the strategy where `fit` builds its list -----------
+
+_CALLBACK_LIST_ORIGINAL_ATTR = "_keras_comm_original_init"
+
+
+def upstream_callback_list_init():
+    """Upstream's `keras.callbacks.CallbackList.__init__` (the original while replaced)."""
+    cls = keras.callbacks.CallbackList
+    return cls.__dict__.get(_CALLBACK_LIST_ORIGINAL_ATTR, cls.__dict__["__init__"])
+
+
+def install_callback_list_init(replacement):
+    """Replaces `keras.callbacks.CallbackList.__init__`; idempotent.
+
+    Needed because `fit`, `evaluate` and `predict` build their callback list
+    inside (`CallbackList(callbacks, ..., model=self)`), with no hook to adapt
+    Keras's file-writing callbacks to a multi-worker strategy before they see
+    the model (`keras_comm.callbacks._keras_callbacks`). The class is public;
+    the constructor's signature and what those callbacks read their paths
+    from are relied on (hashed in `relied_on`).
+    """
+    cls = keras.callbacks.CallbackList
+    if _CALLBACK_LIST_ORIGINAL_ATTR not in cls.__dict__:
+        setattr(cls, _CALLBACK_LIST_ORIGINAL_ATTR, cls.__dict__["__init__"])
+        cls.__init__ = replacement
+
+
+def restore_callback_list_init():
+    """Undoes `install_callback_list_init`; a no-op when not installed."""
+    cls = keras.callbacks.CallbackList
+    original = cls.__dict__.get(_CALLBACK_LIST_ORIGINAL_ATTR)
+    if original is not None:
+        cls.__init__ = original
+        delattr(cls, _CALLBACK_LIST_ORIGINAL_ATTR)
+
+
+def callback_list_init_installed():
+    """Whether `install_callback_list_init` is in effect."""
+    return _CALLBACK_LIST_ORIGINAL_ATTR in keras.callbacks.CallbackList.__dict__
+
+
 # --- The model, inside a step ------------------------------------------------
 
 
@@ -306,6 +347,15 @@ def relied_on():
         "BaseOptimizer._use_weight_decay": base_optimizer.BaseOptimizer._use_weight_decay,
         "Layer._track_variable": keras.layers.Layer._track_variable,
         "in_symbolic_scope": symbolic_scope.in_symbolic_scope,
+        # Adapted to several workers (callbacks._keras_callbacks): the list's
+        # constructor, and where each callback reads the path it writes.
+        "CallbackList.__init__": upstream_callback_list_init(),
+        "ModelCheckpoint.__init__": keras.callbacks.ModelCheckpoint.__init__,
+        "ModelCheckpoint._save_model": keras.callbacks.ModelCheckpoint._save_model,
+        "ModelCheckpoint._get_file_path": keras.callbacks.ModelCheckpoint._get_file_path,
+        "CSVLogger.on_train_begin": keras.callbacks.CSVLogger.on_train_begin,
+        "TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
+        "BackupAndRestore.__init__": keras.callbacks.BackupAndRestore.__init__,
     })
     return {name: fn for name, fn in out.items() if fn is not None}
 
