@@ -14,6 +14,8 @@ from keras_comm.layers._base import CollectiveLayer
 from keras_comm.layers._base import MeanGradient
 from keras_comm.layers._base import MiniStepCounter
 from keras_comm.layers._base import PerReplicaAccumulator
+from keras_comm.layers._base import _static_shape
+from keras_comm.layers._base import _tf_variable
 from keras_comm.layers._base import group_size
 from keras_comm.ops import mirror as mirror_ops
 from keras_comm.ops._fusion import validate_fusion
@@ -181,6 +183,10 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
     `accumulation_steps`-th backward returns the reduce-scatter SUM of it
     (this member's shard, times ``1 / group_size`` if `mean`) and
     resets it; other backwards return zeros, without communication. With
+    ``shard_accumulator=True`` every backward reduce-scatters dy at once and
+    adds this member's share into a shard-sized accumulator (1/n of the
+    memory, one reduce-scatter per mini-step; MindSpore's
+    grad_accumulation_shard); the released gradient is the same. With
     ``accumulation_steps=1`` this is the all-gather's own backward.
     See `keras_comm.ops.mini_step_all_gather`.
 
@@ -189,18 +195,54 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
         group: None (all replicas) or a list of global ranks.
         accumulation_steps: int >= 1.
         timeout: seconds, or None for `keras_comm.get_timeout()`.
+        shard_accumulator: accumulate the reduce-scattered shard every
+            mini-step instead of the gathered gradient.
 
     Input shape: ``(d0, ...)``, fully known.
     Output shape: ``(d0 * group_size, ...)``; the group size is the world
     size when `group` is None, read at build time (the accumulator has the
-    output shape, so a model built for N replicas keeps N-replica weights).
+    output shape, so a model built for N replicas keeps N-replica weights;
+    with `shard_accumulator` it has the input shape).
     """
 
     _op = staticmethod(mirror_ops.mini_step_all_gather)
 
-    def __init__(self, mean=True, group=None, accumulation_steps=1, timeout=None, **kwargs):
+    def __init__(
+        self,
+        mean=True,
+        group=None,
+        accumulation_steps=1,
+        timeout=None,
+        shard_accumulator=False,
+        **kwargs,
+    ):
         super().__init__(mean, group, timeout, **kwargs)
         self.accumulation_steps = _validation.accumulation_steps(accumulation_steps)
+        self.shard_accumulator = _validation.boolean(shard_accumulator, "shard_accumulator")
+
+    def _accumulator_shape(self, input_shape):
+        if self.shard_accumulator:
+            self._output_shape(input_shape)  # the rank check
+            return tuple(input_shape)
+        return self._output_shape(input_shape)
+
+    def call(self, inputs):
+        return self._op(
+            inputs,
+            self._accumulator_variable(),
+            _tf_variable(self.step),
+            self.accumulation_steps,
+            self.mean,
+            self.group,
+            shard_accumulator=self.shard_accumulator,
+            timeout=self.timeout,
+            name=self.name,
+        )
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_["shard_accumulator"] = self.shard_accumulator
+        return config_
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -210,27 +252,63 @@ class MicroStepAllGather(_StepAllGather):
     Forward: concatenation of every group member's input along axis 0.
     Backward: ``total = accumulator + dy``, the accumulator is reset, and
     the reduce-scatter SUM of ``total`` is returned (this member's shard,
-    times ``1 / group_size`` if `mean`). See
-    `keras_comm.ops.micro_step_all_gather`.
+    times ``1 / group_size`` if `mean`). With ``with_mirror_operator=True``
+    a `MirrorMicroStepOperator` on the shard owns the micro-step buffer:
+    this layer has no accumulator and ``total = dy``. With
+    ``reduce_gradient=False`` nothing is communicated: this member's own rows
+    of ``total`` are returned (MindSpore's ``do_mirror=False``; the exact
+    adjoint for a group of one). See `keras_comm.ops.micro_step_all_gather`.
 
     Args:
         mean: divide the reduced gradient by the group size.
         group: None (all replicas) or a list of global ranks.
         timeout: seconds, or None for `keras_comm.get_timeout()`.
+        reduce_gradient: reduce-scatter the gradient over the group.
+        with_mirror_operator: leave the micro-step accumulation to a mirror.
 
     Input shape: ``(d0, ...)``, fully known.
     Output shape: ``(d0 * group_size, ...)``.
     """
 
+    def __init__(
+        self,
+        mean=True,
+        group=None,
+        timeout=None,
+        reduce_gradient=True,
+        with_mirror_operator=False,
+        **kwargs,
+    ):
+        super().__init__(mean, group, timeout, **kwargs)
+        self.reduce_gradient = _validation.boolean(reduce_gradient, "reduce_gradient")
+        self.with_mirror_operator = _validation.boolean(
+            with_mirror_operator, "with_mirror_operator"
+        )
+
+    def build(self, input_shape):
+        if self.with_mirror_operator:
+            self._output_shape(_static_shape(self, input_shape))  # the rank check
+            self.accumulator = None
+            return
+        super().build(input_shape)
+
     def call(self, inputs):
         return mirror_ops.micro_step_all_gather(
             inputs,
-            self._accumulator_variable(),
+            None if self.accumulator is None else self._accumulator_variable(),
             self.mean,
             self.group,
+            reduce_gradient=self.reduce_gradient,
+            with_mirror_operator=self.with_mirror_operator,
             timeout=self.timeout,
             name=self.name,
         )
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_["reduce_gradient"] = self.reduce_gradient
+        config_["with_mirror_operator"] = self.with_mirror_operator
+        return config_
 
 
 __all__ = [

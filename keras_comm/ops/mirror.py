@@ -291,22 +291,35 @@ def _gather_forward(x, call):
     return y
 
 
-def _gathered_input(x, accumulator, fn_name, group, timeout, name):
+def _gathered_input(x, accumulator, fn_name, group, timeout, name, accumulator_rows="gathered"):
     """(x, call) for an all-gather whose gradient accumulates in `accumulator`.
 
-    The accumulator holds the gradient of the gathered output, so it has
-    group-size times x's rows; non-members never touch it.
+    The accumulator holds the gradient of the gathered output (group-size
+    times x's rows) when `accumulator_rows` is "gathered", of x itself (this
+    member's shard) when "shard", and is not used when None; non-members
+    never touch it.
     """
     what = _checks.what(fn_name, name)
     x = D.float_input(x, what)
     call = _collective.resolve(group, timeout, name)
     _checks.check_divisible(x.shape, 0, 1, what)
-    if call.member:
+    if call.member and accumulator_rows == "shard":
+        D.check_accumulator(accumulator, x.shape, what)
+    elif call.member and accumulator_rows == "gathered":
         full = tf.TensorShape([None if x.shape[0] is None else x.shape[0] * call.size]).concatenate(
             x.shape[1:]
         )
         D.check_accumulator(accumulator, full, what)
     return x, call
+
+
+def _own_rows(total, x, call):
+    # This member's rows of a gradient of the gathered output: the part that
+    # belongs to its own shard, with no communication.
+    if call.trivial:
+        return total
+    rows = tf.shape(x)[0]
+    return total[call.index * rows : (call.index + 1) * rows]
 
 
 def _scatter_total(total, mean, call):
@@ -325,6 +338,7 @@ def mini_step_all_gather(
     mean=True,
     group=None,
     *,
+    shard_accumulator=False,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -333,14 +347,22 @@ def mini_step_all_gather(
 
     Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` over the group (every
     member's shard has the same shape).
-    Backward (one call per mini-step): ``accumulator += dy`` (dy has y's
-    shape); ``step += 1``. Then:
+    Backward (one call per mini-step), ``shard_accumulator=False`` (the
+    default): ``accumulator += dy`` (dy has y's shape); ``step += 1``. Then:
 
     * update step (``step % accumulation_steps == 0``):
       ``dx = reduce_scatter_sum(accumulator)`` (the SUM over the group, this
       member's slice of axis 0), times ``1 / group_size`` if `mean`;
       the accumulator is reset to zeros.
     * other steps: ``dx = zeros``, no communication.
+
+    ``shard_accumulator=True`` (MindSpore's grad_accumulation_shard): every
+    mini-step reduce-scatters dy at once, ``accumulator +=
+    reduce_scatter_sum(dy)`` (times ``1 / group_size`` if `mean`), so the
+    accumulator holds only this member's shard (x's shape, 1/n of the
+    memory) at the price of one reduce-scatter per mini-step; the update
+    step returns the accumulator and resets it, other steps return zeros.
+    The reduce-scatter is linear, so both modes release the same gradient.
 
     With ``accumulation_steps=1`` this is the all-gather's own backward
     (reduce-scatter of dy). Convention: ``mean=False`` is the exact
@@ -353,25 +375,43 @@ def mini_step_all_gather(
 
     Args:
         x: this member's shard, a floating tensor of rank >= 1.
-        accumulator: a per-replica variable shaped like the gathered output
-            (``x.shape[0] * group_size`` rows), initially zeros.
+        accumulator: a per-replica variable, initially zeros, shaped like the
+            gathered output (``x.shape[0] * group_size`` rows), or like `x`
+            with `shard_accumulator`.
         step: a per-replica integer variable, initially 0.
         accumulation_steps: int >= 1.
         mean, group, timeout, name: as in `mirror_operator`.
+        shard_accumulator: reduce-scatter every mini-step into a shard-sized
+            accumulator.
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
     mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.accumulation_steps(accumulation_steps)
-    x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name)
+    _validation.boolean(shard_accumulator, "shard_accumulator")
+    rows = "shard" if shard_accumulator else "gathered"
+    x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name, rows)
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)
         if not call.member:
             # Same program points as the members: counter, branch, run.
+            if shard_accumulator:
+                # Members reduce-scatter every mini-step, outside the branch.
+                if not call.trivial:
+                    dy = _collective.run(lambda: dy)
+                with tf.control_dependencies([_counts_step(step, accumulation_steps)]):
+                    return tf.identity(dy)
             update = _counts_step(step, accumulation_steps)
             return _branch(update, lambda: _collective.run(lambda: dy), lambda: dy)
+        if shard_accumulator:
+            part = _scatter_total(dy, mean, call)
+            with tf.control_dependencies([_add_into(accumulator, part)]):
+                update = _counts_step(step, accumulation_steps)
+            return _branch(
+                update, lambda: _take(accumulator, dy.dtype), lambda: tf.zeros_like(x)
+            )
         with tf.control_dependencies([_add_into(accumulator, dy)]):
             update = _counts_step(step, accumulation_steps)
 
@@ -384,40 +424,73 @@ def mini_step_all_gather(
 
 
 def micro_step_all_gather(
-    x, accumulator, mean=True, group=None, *, mean_flag=None, timeout=None, name=None
+    x,
+    accumulator,
+    mean=True,
+    group=None,
+    *,
+    reduce_gradient=True,
+    with_mirror_operator=False,
+    mean_flag=None,
+    timeout=None,
+    name=None,
 ):
     """All-gathers a parameter shard; reduces the micro-steps' accumulated gradient.
 
     Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` over the group.
-    Backward: ``total = accumulator + dy`` (accumulator holds the earlier
-    micro-batches' gradients of y, e.g. written by `virtual_assign_add`),
-    the accumulator is reset to zeros, and
-    ``dx = reduce_scatter_sum(total)`` (this member's slice of axis 0),
-    times ``1 / group_size`` if `mean`.
+    Backward: with ``with_mirror_operator=False`` (the default), ``total =
+    accumulator + dy`` (accumulator holds the earlier micro-batches'
+    gradients of y, e.g. written by `virtual_assign_add`) and the
+    accumulator is reset to zeros; with ``with_mirror_operator=True`` a
+    `mirror_micro_step_operator` on the shard owns the micro-step
+    accumulation, so ``total = dy`` and the accumulator is not used (pass
+    None). Then
 
-    dy itself is added and the buffer reset, so with no other writer this is
-    the all-gather's own backward. MindSpore: _MicroStepAllGather.
+    * ``reduce_gradient=True`` (the default): ``dx = reduce_scatter_sum(total)``
+      (this member's slice of axis 0), times ``1 / group_size`` if `mean`.
+    * ``reduce_gradient=False`` (MindSpore: ``do_mirror=False``): no
+      communication, ``dx`` = this member's own rows of ``total``: the
+      gradient of this replica's loss with the other members' shards held
+      constant. With a group of one, MindSpore's case, that is the whole
+      total, the exact adjoint; with a wider group the rows that belong to
+      other members' shards are dropped here (MindSpore returns the whole
+      gathered-shape total, which is not a gradient of the shard).
+
+    With no other writer of the buffer this is the all-gather's own
+    backward. MindSpore: _MicroStepAllGather.
 
     Replicas outside `group` get `x` back and their gradient passes through
     (the accumulator is not used).
 
     Args:
         x: this member's shard, a floating tensor of rank >= 1.
-        accumulator: a per-replica variable shaped like the gathered output.
+        accumulator: a per-replica variable shaped like the gathered output;
+            None with `with_mirror_operator`.
         mean, group, timeout, name: as in `mirror_operator`.
+        reduce_gradient: reduce-scatter the gradient over the group.
+        with_mirror_operator: leave the micro-step accumulation to a mirror
+            on the shard; this op only reduces (or slices) dy.
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
     """
     mean = _checks.mean_argument(mean, mean_flag, True)
-    x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name)
+    _validation.boolean(reduce_gradient, "reduce_gradient")
+    _validation.boolean(with_mirror_operator, "with_mirror_operator")
+    rows = None if with_mirror_operator else "gathered"
+    x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name, rows)
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)
         if not call.member:
-            return _collective.run(lambda: dy)
-        with tf.control_dependencies([_add_into(accumulator, dy)]):
-            total = _take(accumulator, dy.dtype)
+            communicates = reduce_gradient and not call.trivial
+            return _collective.run(lambda: dy) if communicates else dy
+        total = dy
+        if not with_mirror_operator:
+            with tf.control_dependencies([_add_into(accumulator, dy)]):
+                total = _take(accumulator, dy.dtype)
+        if not reduce_gradient:
+            return _own_rows(total, x, call)
         return _scatter_total(total, mean, call)
 
     return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)

@@ -125,6 +125,7 @@ def stateless_cases():
     sub = [0, N - 1]
     acc = per_replica((SHAPE[0] * N, SHAPE[1]))
     step = per_replica((), tf.int64)
+    shard_acc, shard_step = per_replica(SHAPE), per_replica((), tf.int64)
     size = SHAPE[0] // N
     return {
         "mirror_mean": linear_case(lambda x: ops.mirror_operator(x), tied(world, 1.0 / N)),
@@ -138,6 +139,23 @@ def stateless_cases():
         "micro_step_all_gather": linear_case(
             lambda x: ops.micro_step_all_gather(x, acc, False),
             lambda xs: [tf.concat(xs, 0)] * N,
+        ),
+        "mini_step_all_gather_shard_accumulator_k1": linear_case(
+            lambda x: ops.mini_step_all_gather(
+                x, shard_acc, shard_step, 1, True, shard_accumulator=True
+            ),
+            lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
+        ),
+        "micro_step_all_gather_no_reduction": linear_case(
+            lambda x: ops.micro_step_all_gather(x, acc, reduce_gradient=False),
+            lambda xs: [
+                tf.concat([x if q == r else tf.stop_gradient(x) for q, x in enumerate(xs)], 0)
+                for r in range(N)
+            ],
+        ),
+        "micro_step_all_gather_with_mirror_operator": linear_case(
+            lambda x: ops.micro_step_all_gather(x, None, True, with_mirror_operator=True),
+            lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
         ),
         "get_tensor_slice_exact": linear_case(
             lambda x: ops.get_tensor_slice(x, backward="exact"),
@@ -223,6 +241,24 @@ def stateful_cases(mode):
     g0, g1 = run(0), run(1)
     want = sum((q + 1 + t) for q in range(N) for t in (0, 1))
     out["mini_step_all_gather_k2"] = max(np.abs(g0).max(), np.abs(g1 - want).max())
+
+    # The same with a shard-sized accumulator, reduce-scattered every step.
+    acc6, step6 = per_replica(SHAPE), per_replica((), tf.int64)
+
+    def gather_shard(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r)) + t
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = ops.mini_step_all_gather(x, acc6, step6, 2, False, shard_accumulator=True)
+            loss = tf.reduce_sum(y) * (tf.cast(r + 1, tf.float64) + t)
+        return tape.gradient(loss, x)
+
+    run = runner(gather_shard, mode)
+    g0, g1 = run(0), run(1)
+    out["mini_step_all_gather_shard_accumulator_k2"] = max(
+        np.abs(g0).max(), np.abs(g1 - want).max()
+    )
 
     # virtual_assign_add reduce-scattered over the world, read back by
     # virtual_accu_grad; virtual_add of a rank-valued buffer.
