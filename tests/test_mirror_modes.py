@@ -265,3 +265,137 @@ def test_new_arguments_round_trip_and_old_configs(cls, kwargs):
     assert getattr(old, "shard_accumulator", False) is False
     assert getattr(old, "reduce_gradient", True) is True
     assert getattr(old, "with_mirror_operator", False) is False
+
+
+# ---------------------------------------------------------------------------
+# MirrorMicroStepOperator with a sharded optimizer (issue 17 item 2).
+# ---------------------------------------------------------------------------
+
+
+def test_same_shard_ranks():
+    from keras_comm.ops.mirror import same_shard_ranks
+
+    assert [same_shard_ranks(range(4), i, 2) for i in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert same_shard_ranks([1, 3, 5, 7, 9, 11], 4, 3) == [3, 9]
+    assert same_shard_ranks(range(4), 3, 4) == [3]
+    assert same_shard_ranks(range(4), 3, 1) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="Received: optimizer_shard_size=3"):
+        same_shard_ranks(range(4), 0, 3)
+
+
+def _sharded_reference(n, shard, mean):
+    """Replica r holds a copy of shard r % shard of a parameter; gathers its block.
+
+    Copies of one shard are tied (their gradients summed, times 1/copies if
+    `mean`); the block's all-gather concatenates the block members' copies.
+    """
+
+    def ref(xs):
+        copies = n // shard
+        tied = []
+        for q, x in enumerate(xs):
+            total = tf.add_n([xs[s] for s in range(q % shard, n, shard)])
+            scale = 1.0 / copies if mean else 1.0
+            tied.append(tf.stop_gradient(x) + (total - tf.stop_gradient(total)) * scale)
+        return [tf.concat(tied[(r // shard) * shard : (r // shard + 1) * shard], 0) for r in range(n)]
+
+    return ref
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("mean", [True, False])
+def test_mirror_micro_step_optimizer_shard_narrower_than_mirror_group(mode, mean):
+    """4 replicas, the mirror group is all 4, the optimizer shards over blocks of 2.
+
+    The gather over the block (its backward reduce-scatters over the block)
+    and the mirror (all-reduces over the replicas holding the same shard)
+    together give each shard the gradient summed over all 4 replicas once.
+    """
+    strategy = make_strategy(4)
+    acc = _per_replica(strategy, [2, 3])
+
+    def op(x):
+        r = keras_comm.rank()
+        block = [2 * (r // 2), 2 * (r // 2) + 1]
+        m = ops.mirror_micro_step_operator(x, acc, mean, None, True, optimizer_shard_size=2)
+        return ops.micro_step_all_gather(m, None, False, block, with_mirror_operator=True)
+
+    got = check(strategy, op, _sharded_reference(4, 2, mean), _input, mode=mode)
+    for r in range(4):
+        b = r // 2
+        np.testing.assert_array_equal(got[r][0], np.concatenate([_input(2 * b, 4), _input(2 * b + 1, 4)]))
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("mean", [True, False])
+def test_mirror_micro_step_optimizer_shard_sizes(strategy, mode, mean):
+    """Shard size 1: every member holds the whole parameter (a full all-reduce);
+    size n (and None): each shard is held once, the gradient is returned unreduced."""
+    n = strategy.num_replicas_in_sync
+    for size in (1, n, None):
+        acc = _per_replica(strategy, [2, 3])
+        want_shard = 1 if size is None else size
+        check(
+            strategy,
+            lambda x: ops.mirror_micro_step_operator(
+                x, acc, mean, None, True, optimizer_shard_size=size
+            ),
+            lambda xs: _tied_by_shard(xs, n, n if size is None else size, mean),
+            _input,
+            mode=mode,
+        )
+
+
+def _tied_by_shard(xs, n, shard, mean):
+    out = []
+    copies = n // shard
+    for q, x in enumerate(xs):
+        total = tf.add_n([xs[s] for s in range(q % shard, n, shard)])
+        scale = 1.0 / copies if mean else 1.0
+        out.append(tf.stop_gradient(x) + (total - tf.stop_gradient(total)) * scale)
+    return out
+
+
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (
+            lambda: layers.MirrorMicroStepOperator(optimizer_shard_size=2),
+            ValueError,
+            "optimizer_shard=False, optimizer_shard_size=2",
+        ),
+        (
+            lambda: layers.MirrorMicroStepOperator(optimizer_shard=True, optimizer_shard_size=0),
+            ValueError,
+            "optimizer_shard_size=0",
+        ),
+        (
+            lambda: layers.MirrorMicroStepOperator(
+                optimizer_shard=True, optimizer_shard_size=2, group=[0, 1, 2]
+            ),
+            ValueError,
+            "optimizer_shard_size=2",
+        ),
+    ],
+)
+def test_optimizer_shard_size_validated(make, error, text):
+    with pytest.raises(error, match="Received") as info:
+        make()
+    assert text in str(info.value)
+
+
+def test_optimizer_shard_size_checked_against_world_at_build():
+    strategy = make_strategy(4)
+    with strategy.scope():
+        layer = layers.MirrorMicroStepOperator(optimizer_shard=True, optimizer_shard_size=3)
+        with pytest.raises(ValueError, match="Received: optimizer_shard_size=3"):
+            layer.build((2,))
+
+
+def test_optimizer_shard_size_round_trip_and_old_config():
+    layer = layers.MirrorMicroStepOperator(optimizer_shard=True, optimizer_shard_size=2)
+    config = layer.get_config()
+    assert config["optimizer_shard_size"] == 2
+    assert layers.MirrorMicroStepOperator.from_config(config).get_config() == config
+    config.pop("optimizer_shard_size")
+    assert layers.MirrorMicroStepOperator.from_config(config).optimizer_shard_size is None

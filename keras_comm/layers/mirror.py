@@ -124,24 +124,52 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
     Forward: identity.
     Backward: ``total = accumulator + dy``; the accumulator is reset; returns
     the all-reduce SUM of ``total`` over the group (times ``1 / group_size``
-    if `mean`), or ``total`` unreduced when `optimizer_shard` (a
-    sharded optimizer reduce-scatters it). Earlier micro-batches' gradients
+    if `mean`). With `optimizer_shard` a sharded optimizer reduces the
+    gradient further over blocks of `optimizer_shard_size` group members, so
+    this layer all-reduces only over the members holding the same shard (one
+    per block; times ``1 / (group_size / optimizer_shard_size)`` if `mean`);
+    with ``optimizer_shard_size=None`` (the whole group, as
+    `keras_comm.callbacks.ParallelOptimizer` shards) it returns ``total``
+    unreduced. Earlier micro-batches' gradients
     reach ``accumulator`` through `keras_comm.ops.virtual_assign_add(x,
     layer.accumulator)`; with no such writer this layer is a
     `MirrorOperator`. See `keras_comm.ops.mirror_micro_step_operator`.
 
     Args:
-        mean: divide the reduced gradient by the group size.
+        mean: divide the reduced gradient by the number of members it is
+            reduced over.
         group: None (all replicas) or a list of global ranks.
-        optimizer_shard: skip the all-reduce, return the local total.
+        optimizer_shard: a sharded optimizer reduces the gradient further.
         timeout: seconds, or None for `keras_comm.get_timeout()`.
+        optimizer_shard_size: int >= 1 dividing the group size: the size of
+            the sharded optimizer's groups; None for the whole group. Only
+            with `optimizer_shard`.
 
     Input shape: any fully known shape. Output shape: the input shape.
     """
 
-    def __init__(self, mean=True, group=None, optimizer_shard=False, timeout=None, **kwargs):
+    def __init__(
+        self,
+        mean=True,
+        group=None,
+        optimizer_shard=False,
+        timeout=None,
+        optimizer_shard_size=None,
+        **kwargs,
+    ):
         super().__init__(mean, group, timeout, **kwargs)
         self.optimizer_shard = _validation.boolean(optimizer_shard, "optimizer_shard")
+        self.optimizer_shard_size = mirror_ops.optimizer_shard_size_argument(
+            optimizer_shard, optimizer_shard_size
+        )
+        if self.optimizer_shard_size is not None and self.group is not None:
+            mirror_ops.same_shard_ranks(self.group.ranks, 0, self.optimizer_shard_size)
+
+    def build(self, input_shape):
+        if self.optimizer_shard_size is not None:
+            # The world size, when `group` is None, is known from here on.
+            mirror_ops.same_shard_ranks(range(group_size(self.group)), 0, self.optimizer_shard_size)
+        super().build(input_shape)
 
     def call(self, inputs):
         return mirror_ops.mirror_micro_step_operator(
@@ -150,6 +178,7 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
             self.mean,
             self.group,
             self.optimizer_shard,
+            optimizer_shard_size=self.optimizer_shard_size,
             timeout=self.timeout,
             name=self.name,
         )
@@ -157,6 +186,7 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
     def get_config(self):
         config_ = super().get_config()
         config_["optimizer_shard"] = self.optimizer_shard
+        config_["optimizer_shard_size"] = self.optimizer_shard_size
         return config_
 
 

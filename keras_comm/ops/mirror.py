@@ -213,6 +213,41 @@ def mirror_mini_step_operator(
 # ---------------------------------------------------------------------------
 
 
+def optimizer_shard_size_argument(optimizer_shard, optimizer_shard_size):
+    """Validates `optimizer_shard_size` (None, or an int >= 1 with `optimizer_shard`)."""
+    _validation.boolean(optimizer_shard, "optimizer_shard")
+    if optimizer_shard_size is None:
+        return None
+    size = _validation.positive_int(optimizer_shard_size, "optimizer_shard_size")
+    if not optimizer_shard:
+        raise ValueError(
+            "`optimizer_shard_size` describes a sharded optimizer and needs "
+            "optimizer_shard=True. Received: optimizer_shard=False, "
+            f"optimizer_shard_size={optimizer_shard_size!r}"
+        )
+    return size
+
+
+def same_shard_ranks(ranks, index, shard_size):
+    """The members of `ranks` holding the same optimizer shard as member `index`.
+
+    The sharded optimizer's groups are consecutive blocks of `shard_size`
+    members; member i holds shard ``i % shard_size`` of its block, and so do
+    the members at the same position in every other block (a pure function,
+    tested without a cluster).
+
+    Raises:
+        ValueError: if `shard_size` does not divide the number of members.
+    """
+    ranks = list(ranks)
+    if len(ranks) % shard_size:
+        raise ValueError(
+            "`optimizer_shard_size` must divide the mirror group's size "
+            f"{len(ranks)}. Received: optimizer_shard_size={shard_size}"
+        )
+    return ranks[index % shard_size :: shard_size]
+
+
 def mirror_micro_step_operator(
     x,
     accumulator,
@@ -220,6 +255,7 @@ def mirror_micro_step_operator(
     group=None,
     optimizer_shard=False,
     *,
+    optimizer_shard_size=None,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -236,9 +272,17 @@ def mirror_micro_step_operator(
 
     * ``optimizer_shard=False``: ``dx = all_reduce_sum(total)`` over the
       group, times ``1 / group_size`` if `mean`;
-    * ``optimizer_shard=True``: ``dx = total``, no communication: a sharded
-      optimizer reduce-scatters it (all-reducing here too would count the
-      gradient group-size times).
+    * ``optimizer_shard=True``: a sharded optimizer will reduce dx over its
+      own groups, consecutive blocks of `optimizer_shard_size` members of
+      `group`; this op all-reduces ``total`` over the members that hold the
+      same shard (the same position in every block), times ``1 / (group_size
+      / optimizer_shard_size)`` if `mean`. The two reductions together sum
+      over the whole group once (each gradient counted once). With
+      ``optimizer_shard_size=None`` (the default) the optimizer's group is
+      the whole group, as `keras_comm.callbacks.ParallelOptimizer` shards:
+      then every shard is held once and ``dx = total``, no communication.
+      MindSpore all-reduces over its mirror group here too: its mirror group
+      is the members holding the same shard.
 
     dy itself is added, so with no other writer this is `mirror_operator`,
     and the reduced gradient is returned (the buffer is left at zeros),
@@ -250,19 +294,30 @@ def mirror_micro_step_operator(
     Args:
         x: a floating tensor.
         accumulator: a per-replica variable shaped like `x`, initially zeros.
-        mean: divide the reduced gradient by the group size (`mean_flag`,
-            its former name, is still accepted).
+        mean: divide the reduced gradient by the number of members it is
+            reduced over (`mean_flag`, its former name, is still accepted).
         group, timeout, name: as in `mirror_operator`.
-        optimizer_shard: return the local accumulated gradient unreduced.
+        optimizer_shard: a sharded optimizer reduces the returned gradient
+            further (over blocks of `optimizer_shard_size` members).
+        optimizer_shard_size: int >= 1 dividing the group size, or None for
+            the whole group; only with `optimizer_shard`.
 
     Returns:
         `x`, unchanged.
     """
     mean = _checks.mean_argument(mean, mean_flag, True)
-    _validation.boolean(optimizer_shard, "optimizer_shard")
+    shard_size = optimizer_shard_size_argument(optimizer_shard, optimizer_shard_size)
     x = D.float_input(x, _checks.what("mirror_micro_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
-    reduce = not optimizer_shard and not call.trivial
+    if optimizer_shard:
+        size = call.size if shard_size is None else shard_size
+        index = call.index if call.member else 0
+        ranks = same_shard_ranks(call.group.ranks, index, size)
+        if call.member:
+            call = _collective.resolve(ranks, timeout, name)
+        elif len(ranks) == 1:
+            call = _collective.resolve([call.replica.rank], timeout, name)
+    reduce = not call.trivial
 
     def backward(dy, x, y):
         dy = tf.convert_to_tensor(dy)

@@ -126,6 +126,7 @@ def stateless_cases():
     acc = per_replica((SHAPE[0] * N, SHAPE[1]))
     step = per_replica((), tf.int64)
     shard_acc, shard_step = per_replica(SHAPE), per_replica((), tf.int64)
+    micro_acc = per_replica(SHAPE)
     size = SHAPE[0] // N
     return {
         "mirror_mean": linear_case(lambda x: ops.mirror_operator(x), tied(world, 1.0 / N)),
@@ -156,6 +157,18 @@ def stateless_cases():
         "micro_step_all_gather_with_mirror_operator": linear_case(
             lambda x: ops.micro_step_all_gather(x, None, True, with_mirror_operator=True),
             lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
+        ),
+        "mirror_micro_step_optimizer_shard_size_1": linear_case(
+            lambda x: ops.mirror_micro_step_operator(
+                x, micro_acc, True, None, True, optimizer_shard_size=1
+            ),
+            tied(world, 1.0 / N),
+        ),
+        "mirror_micro_step_optimizer_shard_size_n": linear_case(
+            lambda x: ops.mirror_micro_step_operator(
+                x, micro_acc, True, None, True, optimizer_shard_size=N
+            ),
+            lambda xs: xs,
         ),
         "get_tensor_slice_exact": linear_case(
             lambda x: ops.get_tensor_slice(x, backward="exact"),
