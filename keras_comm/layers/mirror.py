@@ -28,8 +28,42 @@ class _Mirror(MeanGradient, CollectiveLayer):
         super().__init__(mean, True, group=group, timeout=timeout, **kwargs)
 
 
+class _LocalNorm:
+    """Mixin of the mirror layers that can record their local gradient norm.
+
+    With ``dump_local_norm=True``, ``build`` creates ``local_norm``: a
+    non-trainable float32 scalar kept per replica (``synchronization="on_read"``,
+    ``aggregation="none"``), which the backward sets to the L2 norm of this
+    replica's gradient before it is reduced (MindSpore's dump_local_norm,
+    which prints it there). `keras_comm.callbacks.LocalNormLogger` adds it to
+    `fit`'s logs.
+    """
+
+    def __init__(self, *args, dump_local_norm=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dump_local_norm = _validation.boolean(dump_local_norm, "dump_local_norm")
+        self.local_norm = None
+
+    def build(self, input_shape):
+        parent = getattr(super(), "build", None)
+        if self.dump_local_norm:
+            self.local_norm = PerReplicaAccumulator._per_replica_weight(
+                self, "local_norm", (), "float32"
+            )
+        if parent is not None:
+            parent(input_shape)
+
+    def _local_norm_variable(self):
+        return None if self.local_norm is None else _tf_variable(self.local_norm)
+
+    def get_config(self):
+        config_ = super().get_config()
+        config_["dump_local_norm"] = self.dump_local_norm
+        return config_
+
+
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MirrorOperator(_Mirror):
+class MirrorOperator(_LocalNorm, _Mirror):
     """Marks its input as a copy of a parameter mirrored over the replicas.
 
     Forward: identity.
@@ -52,6 +86,8 @@ class MirrorOperator(_Mirror):
         fusion: int >= 0, the fusion group id (0: no fusion).
         timeout: seconds before a missing peer raises an error; None for
             `keras_comm.get_timeout()`.
+        dump_local_norm: keep the L2 norm of this replica's dy, before it
+            is reduced, in the per-replica weight ``local_norm``.
 
     Input shape: any. Output shape: the input shape.
 
@@ -64,8 +100,10 @@ class MirrorOperator(_Mirror):
     ```
     """
 
-    def __init__(self, mean=True, group=None, fusion=0, timeout=None, **kwargs):
-        super().__init__(mean, group, timeout, **kwargs)
+    def __init__(
+        self, mean=True, group=None, fusion=0, timeout=None, dump_local_norm=False, **kwargs
+    ):
+        super().__init__(mean, group, timeout, dump_local_norm=dump_local_norm, **kwargs)
         self.fusion = validate_fusion(fusion)
 
     def call(self, inputs):
@@ -74,6 +112,7 @@ class MirrorOperator(_Mirror):
             self.mean,
             self.group,
             fusion=self.fusion,
+            local_norm=self._local_norm_variable(),
             timeout=self.timeout,
             name=self.name,
         )
@@ -118,7 +157,7 @@ class MirrorMiniStepOperator(MiniStepCounter, _Mirror):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
+class MirrorMicroStepOperator(_LocalNorm, PerReplicaAccumulator, _Mirror):
     """Mirror at the end of pipeline micro-steps.
 
     Forward: identity.
@@ -144,6 +183,8 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
         optimizer_shard_size: int >= 1 dividing the group size: the size of
             the sharded optimizer's groups; None for the whole group. Only
             with `optimizer_shard`.
+        dump_local_norm: keep the L2 norm of ``total`` (the accumulated
+            local gradient, before reduction) in the weight ``local_norm``.
 
     Input shape: any fully known shape. Output shape: the input shape.
     """
@@ -155,9 +196,10 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
         optimizer_shard=False,
         timeout=None,
         optimizer_shard_size=None,
+        dump_local_norm=False,
         **kwargs,
     ):
-        super().__init__(mean, group, timeout, **kwargs)
+        super().__init__(mean, group, timeout, dump_local_norm=dump_local_norm, **kwargs)
         self.optimizer_shard = _validation.boolean(optimizer_shard, "optimizer_shard")
         self.optimizer_shard_size = mirror_ops.optimizer_shard_size_argument(
             optimizer_shard, optimizer_shard_size
@@ -179,6 +221,7 @@ class MirrorMicroStepOperator(PerReplicaAccumulator, _Mirror):
             self.group,
             self.optimizer_shard,
             optimizer_shard_size=self.optimizer_shard_size,
+            local_norm=self._local_norm_variable(),
             timeout=self.timeout,
             name=self.name,
         )
@@ -276,7 +319,7 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
-class MicroStepAllGather(_StepAllGather):
+class MicroStepAllGather(_LocalNorm, _StepAllGather):
     """All-gathers a parameter shard; reduces the micro-steps' accumulated gradient.
 
     Forward: concatenation of every group member's input along axis 0.
@@ -295,6 +338,9 @@ class MicroStepAllGather(_StepAllGather):
         timeout: seconds, or None for `keras_comm.get_timeout()`.
         reduce_gradient: reduce-scatter the gradient over the group.
         with_mirror_operator: leave the micro-step accumulation to a mirror.
+        dump_local_norm: keep the L2 norm of ``total`` (gathered shape,
+            before reduction) in the weight ``local_norm``; not with
+            `with_mirror_operator` (the mirror records it there).
 
     Input shape: ``(d0, ...)``, fully known.
     Output shape: ``(d0 * group_size, ...)``.
@@ -307,13 +353,20 @@ class MicroStepAllGather(_StepAllGather):
         timeout=None,
         reduce_gradient=True,
         with_mirror_operator=False,
+        dump_local_norm=False,
         **kwargs,
     ):
-        super().__init__(mean, group, timeout, **kwargs)
+        super().__init__(mean, group, timeout, dump_local_norm=dump_local_norm, **kwargs)
         self.reduce_gradient = _validation.boolean(reduce_gradient, "reduce_gradient")
         self.with_mirror_operator = _validation.boolean(
             with_mirror_operator, "with_mirror_operator"
         )
+        if self.with_mirror_operator and self.dump_local_norm:
+            raise ValueError(
+                "`dump_local_norm` records the accumulated gradient, which with "
+                "`with_mirror_operator` the mirror owns: set it on the mirror. Received: "
+                "with_mirror_operator=True, dump_local_norm=True"
+            )
 
     def build(self, input_shape):
         if self.with_mirror_operator:
@@ -330,6 +383,7 @@ class MicroStepAllGather(_StepAllGather):
             self.group,
             reduce_gradient=self.reduce_gradient,
             with_mirror_operator=self.with_mirror_operator,
+            local_norm=self._local_norm_variable(),
             timeout=self.timeout,
             name=self.name,
         )

@@ -32,6 +32,7 @@ from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
 from keras_comm.ops import _fusion
 from keras_comm.ops.all_reduce import all_gather_indexed_slices
+from keras_comm.ops.local_norm import record_local_norm
 
 
 def _scale(x, mean, call):
@@ -79,7 +80,9 @@ def _branch(pred, true_fn, false_fn):
 # ---------------------------------------------------------------------------
 
 
-def mirror_operator(x, mean=True, group=None, *, mean_flag=None, fusion=0, timeout=None, name=None):
+def mirror_operator(
+    x, mean=True, group=None, *, mean_flag=None, fusion=0, local_norm=None, timeout=None, name=None
+):
     """Marks `x` as a copy of a parameter mirrored over the group.
 
     Forward: identity.
@@ -109,6 +112,9 @@ def mirror_operator(x, mean=True, group=None, *, mean_flag=None, fusion=0, timeo
             its former name, is still accepted).
         group: None (all replicas), a list of global ranks or a `Group`.
         fusion: int >= 0, the fusion group id; 0 (default) never fuses.
+        local_norm: None, or a per-replica float32 scalar variable that the
+            backward sets to the L2 norm of this replica's dy before it is
+            reduced (MindSpore: dump_local_norm).
         timeout: seconds before a missing peer raises DeadlineExceeded.
         name: name for the collective ops (a layer's name).
 
@@ -131,7 +137,11 @@ def mirror_operator(x, mean=True, group=None, *, mean_flag=None, fusion=0, timeo
             return tf.IndexedSlices(_scale(g.values, mean, call), g.indices, g.dense_shape)
         return _reduced(dy, mean, call, fusion)
 
-    return D.collective(x, call, None, backward, sparse_grad=True)
+    y = D.collective(x, call, None, backward, sparse_grad=True)
+    if local_norm is None:
+        return y
+    # Closer to the loss than the mirror: sees dy before it is reduced.
+    return D.with_gradient(y, tf.identity, lambda dy, x, y: record_local_norm(local_norm, dy))
 
 
 # ---------------------------------------------------------------------------
@@ -256,6 +266,7 @@ def mirror_micro_step_operator(
     optimizer_shard=False,
     *,
     optimizer_shard_size=None,
+    local_norm=None,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -301,6 +312,9 @@ def mirror_micro_step_operator(
             further (over blocks of `optimizer_shard_size` members).
         optimizer_shard_size: int >= 1 dividing the group size, or None for
             the whole group; only with `optimizer_shard`.
+        local_norm: None, or a per-replica float32 scalar variable that the
+            backward sets to the L2 norm of ``total``, the accumulated local
+            gradient before any reduction (MindSpore: dump_local_norm).
 
     Returns:
         `x`, unchanged.
@@ -323,6 +337,7 @@ def mirror_micro_step_operator(
         dy = tf.convert_to_tensor(dy)
         with tf.control_dependencies([_add_into(accumulator, dy)]):
             total = _take(accumulator, dy.dtype)
+        total = record_local_norm(local_norm, total)
         if not reduce:
             return total
         return D.on_members(call, lambda t: _reduced(t, mean, call), total)
@@ -486,6 +501,7 @@ def micro_step_all_gather(
     *,
     reduce_gradient=True,
     with_mirror_operator=False,
+    local_norm=None,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -525,6 +541,10 @@ def micro_step_all_gather(
         reduce_gradient: reduce-scatter the gradient over the group.
         with_mirror_operator: leave the micro-step accumulation to a mirror
             on the shard; this op only reduces (or slices) dy.
+        local_norm: None, or a per-replica float32 scalar variable that the
+            backward sets to the L2 norm of ``total`` (gathered shape)
+            before it is reduced (MindSpore: dump_local_norm; not recorded
+            with `with_mirror_operator`, where the mirror records it).
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
@@ -544,6 +564,7 @@ def micro_step_all_gather(
         if not with_mirror_operator:
             with tf.control_dependencies([_add_into(accumulator, dy)]):
                 total = _take(accumulator, dy.dtype)
+            total = record_local_norm(local_norm, total)
         if not reduce_gradient:
             return _own_rows(total, x, call)
         return _scatter_total(total, mean, call)

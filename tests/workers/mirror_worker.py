@@ -273,6 +273,25 @@ def stateful_cases(mode):
         np.abs(g0).max(), np.abs(g1 - want).max()
     )
 
+    # dump_local_norm: the mirror records this replica's dy norm before reducing it.
+    norm = per_replica(())
+
+    def mirror_norm(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = ops.mirror_operator(x, local_norm=norm)
+            loss = tf.reduce_sum(tf.constant(weights(r, SHAPE)) * y)
+        return tape.gradient(loss, x)
+
+    g = runner(mirror_norm, mode)(0)
+    got = strategy.experimental_local_results(norm)[0].numpy()
+    want_g = sum(weights(q, SHAPE) for q in range(N)) / N
+    out["mirror_local_norm"] = max(
+        abs(float(got) - float(np.linalg.norm(weights(ME, SHAPE)))), np.abs(g - want_g).max()
+    )
+
     # virtual_assign_add reduce-scattered over the world, read back by
     # virtual_accu_grad; virtual_add of a rank-valued buffer.
     shard = SHAPE[0] // N
