@@ -174,6 +174,12 @@ def stateless_cases():
             lambda x: ops.get_tensor_slice(x, backward="exact"),
             lambda xs: [x[r * size : (r + 1) * size] for r, x in enumerate(xs)],
         ),
+        "get_tensor_slice_layout_exact": linear_case(
+            lambda x: ops.get_tensor_slice(
+                x, backward="exact", device_matrix=[1, N], tensor_map=[0, -1]
+            ),
+            lambda xs: [x[r * size : (r + 1) * size] for r, x in enumerate(xs)],
+        ),
         "get_tensor_slice_zeros": linear_case(
             lambda x: ops.get_tensor_slice(x),
             lambda xs: [tf.stop_gradient(x[r * size : (r + 1) * size]) for r, x in enumerate(xs)],
