@@ -185,6 +185,8 @@ class MirrorMicroStepOperator(_LocalNorm, PerReplicaAccumulator, _Mirror):
             with `optimizer_shard`.
         dump_local_norm: keep the L2 norm of ``total`` (the accumulated
             local gradient, before reduction) in the weight ``local_norm``.
+        fusion: int >= 0, the fusion group id (0: no fusion), as in
+            `MirrorOperator`.
 
     Input shape: any fully known shape. Output shape: the input shape.
     """
@@ -197,9 +199,11 @@ class MirrorMicroStepOperator(_LocalNorm, PerReplicaAccumulator, _Mirror):
         timeout=None,
         optimizer_shard_size=None,
         dump_local_norm=False,
+        fusion=0,
         **kwargs,
     ):
         super().__init__(mean, group, timeout, dump_local_norm=dump_local_norm, **kwargs)
+        self.fusion = validate_fusion(fusion)
         self.optimizer_shard = _validation.boolean(optimizer_shard, "optimizer_shard")
         self.optimizer_shard_size = mirror_ops.optimizer_shard_size_argument(
             optimizer_shard, optimizer_shard_size
@@ -222,6 +226,7 @@ class MirrorMicroStepOperator(_LocalNorm, PerReplicaAccumulator, _Mirror):
             self.optimizer_shard,
             optimizer_shard_size=self.optimizer_shard_size,
             local_norm=self._local_norm_variable(),
+            fusion=self.fusion,
             timeout=self.timeout,
             name=self.name,
         )
@@ -230,6 +235,7 @@ class MirrorMicroStepOperator(_LocalNorm, PerReplicaAccumulator, _Mirror):
         config_ = super().get_config()
         config_["optimizer_shard"] = self.optimizer_shard
         config_["optimizer_shard_size"] = self.optimizer_shard_size
+        config_["fusion"] = self.fusion
         return config_
 
 
@@ -270,6 +276,9 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
         timeout: seconds, or None for `keras_comm.get_timeout()`.
         shard_accumulator: accumulate the reduce-scattered shard every
             mini-step instead of the gathered gradient.
+        fusion: int >= 0, the fusion group id (0: no fusion): the forward
+            all-gathers and backward reduce-scatters of layers with one id
+            travel as one transfer per step.
 
     Input shape: ``(d0, ...)``, fully known.
     Output shape: ``(d0 * group_size, ...)``; the group size is the world
@@ -287,11 +296,13 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
         accumulation_steps=1,
         timeout=None,
         shard_accumulator=False,
+        fusion=0,
         **kwargs,
     ):
         super().__init__(mean, group, timeout, **kwargs)
         self.accumulation_steps = _validation.accumulation_steps(accumulation_steps)
         self.shard_accumulator = _validation.boolean(shard_accumulator, "shard_accumulator")
+        self.fusion = validate_fusion(fusion)
 
     def _accumulator_shape(self, input_shape):
         if self.shard_accumulator:
@@ -308,6 +319,7 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
             self.mean,
             self.group,
             shard_accumulator=self.shard_accumulator,
+            fusion=self.fusion,
             timeout=self.timeout,
             name=self.name,
         )
@@ -315,6 +327,7 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
     def get_config(self):
         config_ = super().get_config()
         config_["shard_accumulator"] = self.shard_accumulator
+        config_["fusion"] = self.fusion
         return config_
 
 
@@ -341,6 +354,8 @@ class MicroStepAllGather(_LocalNorm, _StepAllGather):
         dump_local_norm: keep the L2 norm of ``total`` (gathered shape,
             before reduction) in the weight ``local_norm``; not with
             `with_mirror_operator` (the mirror records it there).
+        fusion: int >= 0, the fusion group id (0: no fusion), as in
+            `MiniStepAllGather`.
 
     Input shape: ``(d0, ...)``, fully known.
     Output shape: ``(d0 * group_size, ...)``.
@@ -354,9 +369,11 @@ class MicroStepAllGather(_LocalNorm, _StepAllGather):
         reduce_gradient=True,
         with_mirror_operator=False,
         dump_local_norm=False,
+        fusion=0,
         **kwargs,
     ):
         super().__init__(mean, group, timeout, dump_local_norm=dump_local_norm, **kwargs)
+        self.fusion = validate_fusion(fusion)
         self.reduce_gradient = _validation.boolean(reduce_gradient, "reduce_gradient")
         self.with_mirror_operator = _validation.boolean(
             with_mirror_operator, "with_mirror_operator"
@@ -384,12 +401,14 @@ class MicroStepAllGather(_LocalNorm, _StepAllGather):
             reduce_gradient=self.reduce_gradient,
             with_mirror_operator=self.with_mirror_operator,
             local_norm=self._local_norm_variable(),
+            fusion=self.fusion,
             timeout=self.timeout,
             name=self.name,
         )
 
     def get_config(self):
         config_ = super().get_config()
+        config_["fusion"] = self.fusion
         config_["reduce_gradient"] = self.reduce_gradient
         config_["with_mirror_operator"] = self.with_mirror_operator
         return config_

@@ -267,6 +267,7 @@ def mirror_micro_step_operator(
     *,
     optimizer_shard_size=None,
     local_norm=None,
+    fusion=0,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -315,11 +316,15 @@ def mirror_micro_step_operator(
         local_norm: None, or a per-replica float32 scalar variable that the
             backward sets to the L2 norm of ``total``, the accumulated local
             gradient before any reduction (MindSpore: dump_local_norm).
+        fusion: int >= 0; the backward all-reduces of micro-step mirrors (and
+            all-reduces) with one id > 0 travel as one collective per step,
+            as for `mirror_operator`.
 
     Returns:
         `x`, unchanged.
     """
     mean = _checks.mean_argument(mean, mean_flag, True)
+    fusion = _fusion.validate_fusion(fusion)
     shard_size = optimizer_shard_size_argument(optimizer_shard, optimizer_shard_size)
     x = D.float_input(x, _checks.what("mirror_micro_step_operator", name), accumulator)
     call = _collective.resolve(group, timeout, name)
@@ -340,7 +345,7 @@ def mirror_micro_step_operator(
         total = record_local_norm(local_norm, total)
         if not reduce:
             return total
-        return D.on_members(call, lambda t: _reduced(t, mean, call), total)
+        return D.on_members(call, lambda t: _reduced(t, mean, call, fusion), total)
 
     return D.with_gradient(x, tf.identity, backward)
 
@@ -350,10 +355,10 @@ def mirror_micro_step_operator(
 # ---------------------------------------------------------------------------
 
 
-def _gather_forward(x, call):
+def _gather_forward(x, call, fusion=0):
     if call.trivial:
         return tf.identity(x)
-    y = D.on_members(call, lambda x: D.all_gather(x, call), x)
+    y = D.on_members(call, lambda x: D.all_gather(x, call, fusion), x)
     if call.member and x.shape.rank is not None:
         # The collective loses the static leading dimension; restore it.
         lead = None if x.shape[0] is None else x.shape[0] * call.size
@@ -392,12 +397,12 @@ def _own_rows(total, x, call):
     return total[call.index * rows : (call.index + 1) * rows]
 
 
-def _scatter_total(total, mean, call):
+def _scatter_total(total, mean, call, fusion=0):
     # A member's share of the accumulated gathered gradient: its slice of
     # the reduce-scatter SUM (the whole total in a group of one).
     if call.trivial:
         return _scale(total, mean, call)
-    return _collective.run(lambda: _scale(D.reduce_scatter(total, call), mean, call))
+    return _collective.run(lambda: _scale(D.reduce_scatter(total, call, fusion), mean, call))
 
 
 def mini_step_all_gather(
@@ -409,6 +414,7 @@ def mini_step_all_gather(
     group=None,
     *,
     shard_accumulator=False,
+    fusion=0,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -453,6 +459,10 @@ def mini_step_all_gather(
         mean, group, timeout, name: as in `mirror_operator`.
         shard_accumulator: reduce-scatter every mini-step into a shard-sized
             accumulator.
+        fusion: int >= 0: the forward all-gathers and the backward
+            reduce-scatters of ops with one id > 0 each travel as one
+            collective per step (see `all_gather`); the release of the
+            default mode runs in a ``tf.cond`` and is always sent alone.
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
@@ -460,6 +470,7 @@ def mini_step_all_gather(
     mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.accumulation_steps(accumulation_steps)
     _validation.boolean(shard_accumulator, "shard_accumulator")
+    fusion = _fusion.validate_fusion(fusion)
     rows = "shard" if shard_accumulator else "gathered"
     x, call = _gathered_input(x, accumulator, "mini_step_all_gather", group, timeout, name, rows)
 
@@ -476,7 +487,7 @@ def mini_step_all_gather(
             update = _counts_step(step, accumulation_steps)
             return _branch(update, lambda: _collective.run(lambda: dy), lambda: dy)
         if shard_accumulator:
-            part = _scatter_total(dy, mean, call)
+            part = _scatter_total(dy, mean, call, fusion)
             with tf.control_dependencies([_add_into(accumulator, part)]):
                 update = _counts_step(step, accumulation_steps)
             return _branch(
@@ -490,7 +501,7 @@ def mini_step_all_gather(
 
         return _branch(update, release, lambda: tf.zeros_like(x))
 
-    return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)
+    return D.with_gradient(x, lambda x: _gather_forward(x, call, fusion), backward)
 
 
 def micro_step_all_gather(
@@ -502,6 +513,7 @@ def micro_step_all_gather(
     reduce_gradient=True,
     with_mirror_operator=False,
     local_norm=None,
+    fusion=0,
     mean_flag=None,
     timeout=None,
     name=None,
@@ -545,6 +557,9 @@ def micro_step_all_gather(
             backward sets to the L2 norm of ``total`` (gathered shape)
             before it is reduced (MindSpore: dump_local_norm; not recorded
             with `with_mirror_operator`, where the mirror records it).
+        fusion: int >= 0: the forward all-gathers and the backward
+            reduce-scatters of ops with one id > 0 each travel as one
+            collective per step (see `all_gather`).
 
     Returns:
         The gathered tensor (or `x` on non-members and with a group of one).
@@ -552,6 +567,7 @@ def micro_step_all_gather(
     mean = _checks.mean_argument(mean, mean_flag, True)
     _validation.boolean(reduce_gradient, "reduce_gradient")
     _validation.boolean(with_mirror_operator, "with_mirror_operator")
+    fusion = _fusion.validate_fusion(fusion)
     rows = None if with_mirror_operator else "gathered"
     x, call = _gathered_input(x, accumulator, "micro_step_all_gather", group, timeout, name, rows)
 
@@ -567,6 +583,6 @@ def micro_step_all_gather(
             total = record_local_norm(local_norm, total)
         if not reduce_gradient:
             return _own_rows(total, x, call)
-        return _scatter_total(total, mean, call)
+        return _scatter_total(total, mean, call, fusion)
 
-    return D.with_gradient(x, lambda x: _gather_forward(x, call), backward)
+    return D.with_gradient(x, lambda x: _gather_forward(x, call, fusion), backward)

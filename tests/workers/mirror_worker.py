@@ -120,6 +120,30 @@ def fused_reference(xs):
     return [tf.concat([ta[r] ** 2, b, tc[r]], 0) for r in range(N)]
 
 
+def fused_gathers(x):
+    """All-gathers and reduce-scatters sharing fusion id 1: one pack per kind."""
+    parts = [
+        ops.all_gather(x[:2], fusion=1),
+        ops.all_gather(tf.reshape(x[2:], [4, 2, 2]), fusion=1),
+        ops.reduce_scatter(x, fusion=1),
+        ops.reduce_scatter(tf.reshape(x, [6, 2, 2]), fusion=1),
+    ]
+    return tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
+
+
+def fused_gathers_reference(xs):
+    k = SHAPE[0] // N
+    a = tf.concat([x[:2] for x in xs], 0)
+    b = tf.concat([tf.reshape(x[2:], [4, 2, 2]) for x in xs], 0)
+    total = tf.add_n(xs)
+    out = []
+    for r in range(N):
+        c = total[r * k : (r + 1) * k]
+        d = tf.reshape(total, [6, 2, 2])[r * k : (r + 1) * k]
+        out.append(tf.concat([tf.reshape(p, [-1]) for p in (a, b, c, d)], 0))
+    return out
+
+
 def stateless_cases():
     world = list(range(N))
     sub = [0, N - 1]
@@ -186,6 +210,9 @@ def stateless_cases():
         ),
         "virtual_div": linear_case(lambda x: ops.virtual_div(x, 4), lambda xs: [scaled(x, 0.25) for x in xs]),
         "fused_mirrors_and_all_reduce": linear_case(fused, fused_reference, ops.fusion_scope),
+        "fused_all_gathers_and_reduce_scatters": linear_case(
+            fused_gathers, fused_gathers_reference, ops.fusion_scope
+        ),
     }
 
 
