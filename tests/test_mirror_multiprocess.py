@@ -18,4 +18,4 @@ def test_mirror_and_virtual_ops_across_processes(num_workers):
         bad = {k: v for k, v in r["errors"].items() if not v < 1e-9}
         assert not bad, f"rank {rank}: errors above 1e-9: {bad}"
         # Every op ran in both modes.
-        assert len(r["errors"]) == 2 * 13
+        assert len(r["errors"]) == 2 * 22

@@ -7,8 +7,15 @@ Keras's own `ModelCheckpoint`, `CSVLogger`, `TensorBoard` and
 """
 
 from keras_comm.callbacks.backup_and_restore import BackupAndRestore
+from keras_comm.callbacks.local_norm import LocalNormLogger
 from keras_comm.callbacks.parallel_optimizer import ParallelOptimizer
 from keras_comm.callbacks.parallel_optimizer import ZeroStage
 from keras_comm.callbacks.parallel_optimizer import prepare_checkpoint
 
-__all__ = ["BackupAndRestore", "ParallelOptimizer", "ZeroStage", "prepare_checkpoint"]
+__all__ = [
+    "BackupAndRestore",
+    "LocalNormLogger",
+    "ParallelOptimizer",
+    "ZeroStage",
+    "prepare_checkpoint",
+]

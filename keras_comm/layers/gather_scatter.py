@@ -9,6 +9,7 @@ from keras_comm.ops.gather_scatter import collective_gather
 from keras_comm.ops.gather_scatter import collective_scatter
 from keras_comm.ops.gather_scatter import reduce_scatter
 from keras_comm.ops.reduce_op import ReduceOp
+from keras_comm.ops._fusion import validate_fusion
 
 
 def _axis0_unknown(shape):
@@ -44,19 +45,30 @@ class AllGather(MeanGradient, CollectiveLayer):
             name, is still accepted).
         group: None (all replicas) or a list of global ranks.
         timeout: seconds; None for `keras_comm.get_timeout()`.
+        fusion: int >= 0, the fusion group id (0: no fusion): gathers with
+            one id travel as one transfer per step (per group and dtype),
+            and so do their backward reduce-scatters.
 
     Input shape: ``(d0, ...)``, the same on every member.
     Output shape: ``(n * d0, ...)`` (reported as ``(None, ...)``);
     non-members of `group` get their input back.
     """
 
-    def __init__(self, mean=False, group=None, timeout=None, **kwargs):
+    def __init__(self, mean=False, group=None, timeout=None, fusion=0, **kwargs):
         super().__init__(mean, False, group=group, timeout=timeout, **kwargs)
+        self.fusion = validate_fusion(fusion)
 
     _output_shape = staticmethod(_axis0_unknown)
 
     def call(self, inputs):
-        return all_gather(inputs, self.mean, self.group, timeout=self.timeout, name=self.name)
+        return all_gather(
+            inputs, self.mean, self.group, fusion=self.fusion, timeout=self.timeout, name=self.name
+        )
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg["fusion"] = self.fusion
+        return cfg
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -70,6 +82,8 @@ class ReduceScatter(CollectiveLayer):
         op: only "sum" (`ReduceOp.SUM`).
         group: None (all replicas) or a list of global ranks.
         timeout: seconds; None for `keras_comm.get_timeout()`.
+        fusion: int >= 0, the fusion group id (0: no fusion), as in
+            `AllGather`.
 
     Input shape: ``(d0, ...)`` with d0 divisible by the group size (checked
     when the layer runs, naming the layer and the shape).
@@ -79,18 +93,22 @@ class ReduceScatter(CollectiveLayer):
         ValueError: `op` is not SUM.
     """
 
-    def __init__(self, op="sum", group=None, timeout=None, **kwargs):
+    def __init__(self, op="sum", group=None, timeout=None, fusion=0, **kwargs):
         super().__init__(group=group, timeout=timeout, **kwargs)
         self.op = sum_only(op, "ReduceScatter")
+        self.fusion = validate_fusion(fusion)
 
     _output_shape = staticmethod(_axis0_unknown)
 
     def call(self, inputs):
-        return reduce_scatter(inputs, self.op, self.group, timeout=self.timeout, name=self.name)
+        return reduce_scatter(
+            inputs, self.op, self.group, fusion=self.fusion, timeout=self.timeout, name=self.name
+        )
 
     def get_config(self):
         cfg = super().get_config()
         cfg["op"] = self.op.value
+        cfg["fusion"] = self.fusion
         return cfg
 
 
@@ -106,6 +124,9 @@ class CollectiveGather(CollectiveLayer):
         dest: GLOBAL rank of the destination; must be in `group`.
         group: None (all replicas) or a list of global ranks.
         timeout: seconds; None for `keras_comm.get_timeout()`.
+        fusion: int >= 0, the fusion group id (0: no fusion): gathers with
+            one id travel as one transfer per step (per group and dtype),
+            and so do their backward reduce-scatters.
 
     Input shape: ``(d0, ...)``, the same on every member.
     Output shape: ``(n * d0, ...)`` (reported as ``(None, ...)``).

@@ -350,8 +350,14 @@ def all_reduce(x, call, op="sum", fusion=0):
     )
 
 
-def all_gather(x, call):
-    """Concatenates every member's `x` (same shape everywhere) on axis 0."""
+def all_gather(x, call, fusion=0):
+    """Concatenates every member's `x` (same shape everywhere) on axis 0.
+
+    ``fusion > 0`` defers and packs it as `all_reduce` does.
+    """
+    deferred = _fusion.defer(x, call, None, fusion, "all_gather") if fusion else None
+    if deferred is not None:
+        return deferred
     return _ordered(call, "all_gather", tf_api.all_gather_v2, t=x)
 
 
@@ -368,14 +374,19 @@ def has_native_reduce_scatter(device):
     return "GPU" in device.upper() and _hint() in ("auto", "nccl")
 
 
-def reduce_scatter(x, call):
+def reduce_scatter(x, call, fusion=0):
     """SUM over the group, keeping this member's 1/size slice of axis 0.
+
+    ``fusion > 0`` defers and packs it as `all_reduce` does.
 
     On GPUs this is TF's native (NCCL) reduce-scatter. TF has no CPU kernel
     for it, so on CPUs it is an all-to-all followed by a local sum: each
     member sends and receives (n-1)/n of `x`, the same bytes as a ring
     reduce-scatter and half an all-reduce's.
     """
+    deferred = _fusion.defer(x, call, "sum", fusion, "reduce_scatter") if fusion else None
+    if deferred is not None:
+        return deferred
     if has_native_reduce_scatter(call.device):
         return _ordered(call, "reduce_scatter", tf_api.reduce_scatter_v2, t=x)
     n = call.size

@@ -88,16 +88,16 @@ def all_reduce(x, call, op="sum", fusion=0):
     return _collective.all_reduce(x, call, op, fusion)
 
 
-def all_gather(x, call):
-    return _carried("all_gather", _collective.all_gather, x, call)
+def all_gather(x, call, fusion=0):
+    return _carried("all_gather", _collective.all_gather, x, call, fusion)
 
 
 def all_to_all(x, call):
     return _carried("all_to_all", _collective.all_to_all, x, call)
 
 
-def reduce_scatter(x, call):
-    return _carried("reduce_scatter", _collective.reduce_scatter, x, call)
+def reduce_scatter(x, call, fusion=0):
+    return _carried("reduce_scatter", _collective.reduce_scatter, x, call, fusion)
 
 
 def broadcast(x, call, root_index):

@@ -25,6 +25,16 @@ so:
   an inner `tf.function`) flushes every pending bucket first, since the op
   that calls the nested graph takes the token in the enclosing graph.
 
+All-gathers and reduce-scatters with a ``fusion`` id are deferred and
+packed the same way, in buckets of their own kind (a bucket never mixes
+kinds): an all-gather packs by flattening each member's input and
+concatenating them, gathering once, and cutting every member's block back
+into the pieces; a reduce-scatter first lays each input out as
+``[group_size, rest]`` (the slices that go to each member), concatenates
+along the second axis, scatters once, and splits this member's slice back.
+Both are exact re-layouts: every element travels once, to where the
+unfused op would send it.
+
 Deferral only happens in the graph that opened the scope; in eager mode, in
 nested graphs, or with call checking on (`keras_comm.set_check_calls`), a
 fused all-reduce runs immediately on its own, with the same values.
@@ -54,12 +64,13 @@ def validate_fusion(fusion, name="fusion"):
 class _Bucket:
     """The deferred members of one fusion group on one device."""
 
-    __slots__ = ("fusion", "call", "op", "inputs", "stand_ins", "names")
+    __slots__ = ("fusion", "call", "op", "kind", "inputs", "stand_ins", "names")
 
-    def __init__(self, fusion, call, op):
+    def __init__(self, fusion, call, op, kind):
         self.fusion = fusion
         self.call = call
         self.op = op
+        self.kind = kind
         self.inputs = []
         self.stand_ins = []
         self.names = []
@@ -136,11 +147,30 @@ def fusion_scope():
                 delattr(graph, _SCOPE_ATTR)
 
 
-def defer(x, call, op, fusion):
-    """The all-reduce of `x` as a deferred member of group `fusion`.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
+
+def _stand_in_value(x, call, kind):
+    """A tensor with the collective's output shape, from `x` (never run).
+
+    The stand-in is an ``Identity`` of it until the flush rewires the
+    identity to read the packed result, so only its static shape matters.
+    """
+    if kind == "all_gather":
+        return tf.concat([x] * call.size, 0)
+    if kind == "reduce_scatter":
+        n = call.size
+        shape = tf.shape(x)
+        return tf.reshape(x, tf.concat([[n, shape[0] // n], shape[1:]], 0))[0]
+    return x
+
+
+def defer(x, call, op, fusion, kind="all_reduce"):
+    """The collective `kind` of `x` as a deferred member of group `fusion`.
+
+    `op` is the reduction ("sum" for reduce-scatter, None for all-gather).
     Returns a stand-in for the result, or None when this call cannot be
-    deferred (the caller then issues the all-reduce itself).
+    deferred (the caller then issues the collective itself).
     """
     if not fusion or call.symbolic or tf.executing_eagerly() or config.get_check_calls():
         return None
@@ -149,13 +179,13 @@ def defer(x, call, op, fusion):
     if scope is None:
         return None
     settle([x])
-    key = (fusion, call.group.key, op, x.dtype, call.device, call.timeout)
+    key = (kind, fusion, call.group.key, op, x.dtype, call.device, call.timeout)
     with _lock:
         bucket = scope.buckets.get(key)
         if bucket is None:
-            bucket = scope.buckets[key] = _Bucket(fusion, call, op)
+            bucket = scope.buckets[key] = _Bucket(fusion, call, op, kind)
         with tf.device(call.device):
-            stand_in = tf.identity(x, name="fusion_pending")
+            stand_in = tf.identity(_stand_in_value(x, call, kind), name="fusion_pending")
         bucket.inputs.append(x)
         bucket.stand_ins.append(stand_in)
         bucket.names.append(call.name)
@@ -233,9 +263,18 @@ def _flush(scope, keys):
         # packed op depends on its inputs only, and is never differentiated
         # (each member's gradient is its own custom_gradient).
         with tf.control_dependencies(None), tf_api.stop_recording(), tf.device(call.device):
-            results = packed(
-                bucket.inputs, lambda t: _collective.all_reduce(t, call, bucket.op)
-            )
+            if bucket.kind == "all_gather":
+                results = packed_gather(
+                    bucket.inputs, lambda t: _collective.all_gather(t, call), call.size
+                )
+            elif bucket.kind == "reduce_scatter":
+                results = packed_scatter(
+                    bucket.inputs, lambda t: _collective.reduce_scatter(t, call), call.size
+                )
+            else:
+                results = packed(
+                    bucket.inputs, lambda t: _collective.all_reduce(t, call, bucket.op)
+                )
         for stand_in, result in zip(bucket.stand_ins, results):
             tf_api.rewire_input(stand_in.op, 0, result)
 
@@ -251,6 +290,42 @@ def packed(values, reduce):
     flat = reduce(tf.concat([tf.reshape(v, [-1]) for v in values], 0))
     pieces = tf.split(flat, [tf.size(v) for v in values])
     return [tf.reshape(p, tf.shape(v)) for p, v in zip(pieces, values)]
+
+
+def packed_gather(values, gather, n):
+    """``gather`` (an all-gather over n members) applied once to all `values`.
+
+    Member m's block of the gathered vector is the concatenation of its
+    flattened values; value i's result is every member's piece i, stacked
+    along axis 0 in member order, which is what gathering it alone gives.
+    """
+    if len(values) == 1:
+        return [gather(values[0])]
+    sizes = [tf.size(v) for v in values]
+    flat = gather(tf.concat([tf.reshape(v, [-1]) for v in values], 0))
+    blocks = tf.split(tf.reshape(flat, [n, -1]), sizes, axis=1)
+    return [
+        tf.reshape(b, tf.concat([[n * tf.shape(v)[0]], tf.shape(v)[1:]], 0))
+        for b, v in zip(blocks, values)
+    ]
+
+
+def packed_scatter(values, scatter, n):
+    """``scatter`` (a reduce-scatter SUM over n members) applied once to all `values`.
+
+    Each value is laid out as ``[n, rest]`` (row m: the slice member m
+    keeps); the rows are concatenated across values, so member m's slice of
+    the packed vector holds its slice of every value.
+    """
+    if len(values) == 1:
+        return [scatter(values[0])]
+    rows = [tf.reshape(v, [n, -1]) for v in values]
+    mine = scatter(tf.reshape(tf.concat(rows, 1), [-1]))
+    pieces = tf.split(mine, [tf.shape(r)[1] for r in rows])
+    return [
+        tf.reshape(p, tf.concat([[tf.shape(v)[0] // n], tf.shape(v)[1:]], 0))
+        for p, v in zip(pieces, values)
+    ]
 
 
 def _packed_name(bucket):

@@ -67,8 +67,19 @@ def _all_reduce_dense(x, op, call, fusion=0):
 
     def backward(dy, x, y):
         if isinstance(dy, tf.IndexedSlices):
-            # SUM only: dx_r = sum_s dy_s, kept sparse (every member's rows).
-            return all_gather_indexed_slices(dy, call)
+            # dx_r = (sum_s dy_s) * factor_r, elementwise: the summed rows
+            # stay sparse (every member's rows; duplicates add up, and
+            # scaling each piece of a row by the row's factor is linear).
+            total = all_gather_indexed_slices(dy, call)
+            if op is ReduceOp.SUM:
+                return total
+            if op is ReduceOp.PROD:
+                factor = prod_grad(x, tf.ones([], x.dtype), call)
+            else:
+                factor = tf.cast(tf.equal(x, y), dy.dtype)
+            return tf.IndexedSlices(
+                total.values * tf.gather(factor, total.indices), total.indices, total.dense_shape
+            )
         total = D.all_reduce(dy, call, "sum", fusion)
         if op is ReduceOp.SUM:
             return total
@@ -79,7 +90,7 @@ def _all_reduce_dense(x, op, call, fusion=0):
         # subgradient would split it).
         return total * tf.cast(tf.equal(x, y), dy.dtype)
 
-    return D.collective(x, call, forward, backward, sparse_grad=op is ReduceOp.SUM)
+    return D.collective(x, call, forward, backward, sparse_grad=True)
 
 
 def prod_grad(x, summed_dy, call):
@@ -147,9 +158,12 @@ def all_reduce(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     Sparse: `x` may be a ``tf.IndexedSlices`` (op SUM only). Its rows are
     all-gathered (members may hold different numbers of rows) and returned as
     one ``tf.IndexedSlices``; this path is for gradients and is not itself
-    differentiable. A dense SUM all-reduce whose upstream gradient arrives as
+    differentiable. A dense all-reduce whose upstream gradient arrives as
     ``tf.IndexedSlices`` (e.g. ``tf.gather(y, ids)`` downstream) all-gathers
-    that gradient the same way instead of densifying it.
+    that gradient the same way instead of densifying it, with every op: for
+    PROD, MAX and MIN the gathered rows are multiplied by the rows of the
+    dense factor (``prod_{t != r} x_t``, or ``x_r == y``), which the rule
+    above applies elementwise.
 
     Fusion, within one call: `x` may be a list, tuple or dict (any `tf.nest`
     structure) of tensors. Tensors of one dtype are flattened, concatenated,

@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras_comm.ops import _checks
 from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
+from keras_comm.ops import _fusion
 from keras_comm.ops.reduce_op import ReduceOp
 
 
@@ -23,7 +24,9 @@ def _prepare(x, fn_name, name):
     return x, what
 
 
-def all_gather(x, mean=False, group=None, *, mean_flag=None, timeout=None, name=None):
+def all_gather(
+    x, mean=False, group=None, *, mean_flag=None, fusion=0, timeout=None, name=None
+):
     """Concatenates every group member's `x` along axis 0, on every member.
 
     Forward: ``y = concat([x_0, ..., x_{n-1}], axis=0)`` on every member.
@@ -41,6 +44,10 @@ def all_gather(x, mean=False, group=None, *, mean_flag=None, timeout=None, name=
         mean: scale the gradient by 1/group size (`mean_flag`, its former
             name, is still accepted).
         group: None (all replicas), a list of global ranks or a `Group`.
+        fusion: int >= 0; all-gathers (and, separately, their backward
+            reduce-scatters) with the same id > 0 traced in one
+            `fusion_scope` travel as one collective per (group, dtype), as
+            for `all_reduce`. 0 (default) never fuses.
         timeout: seconds; None for `keras_comm.get_timeout()`.
         name: name for the collective ops (a layer's name).
 
@@ -48,14 +55,15 @@ def all_gather(x, mean=False, group=None, *, mean_flag=None, timeout=None, name=
         Shape ``[n * x.shape[0], ...]`` on members; `x` on non-members.
     """
     mean = _checks.mean_argument(mean, mean_flag, False)
+    fusion = _fusion.validate_fusion(fusion)
     x, _ = _prepare(x, "all_gather", name)
     call = _collective.resolve(group, timeout, name)
 
     def forward(x):
-        return D.all_gather(x, call)
+        return D.all_gather(x, call, fusion)
 
     def backward(dy, x, y):
-        dx = D.reduce_scatter(dy, call)
+        dx = D.reduce_scatter(dy, call, fusion)
         # tf.constant, not tf.cast: a Python float would pass through
         # float32 first (1/3 off by 1e-8 in float64).
         return dx * tf.constant(1.0 / call.size, dx.dtype) if mean else dx
@@ -63,7 +71,7 @@ def all_gather(x, mean=False, group=None, *, mean_flag=None, timeout=None, name=
     return D.collective(x, call, forward, backward)
 
 
-def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
+def reduce_scatter(x, op="sum", group=None, *, fusion=0, timeout=None, name=None):
     """Sums `x` over the group; member i keeps slice i of axis 0.
 
     Forward: ``y_i = (sum_r x_r)[i*k:(i+1)*k]`` with ``k = x.shape[0] / n``.
@@ -76,6 +84,9 @@ def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
         x: a tensor whose axis 0 is divisible by the group size.
         op: only `ReduceOp.SUM` / "sum" (the only reduction with a
             gradient here). MindSpore: ReduceScatter.
+        fusion: int >= 0; reduce-scatters (and, separately, their backward
+            all-gathers) with the same id > 0 traced in one `fusion_scope`
+            travel as one collective per (group, dtype). 0 never fuses.
         group, timeout, name: as for `all_reduce`.
 
     Returns:
@@ -91,15 +102,16 @@ def reduce_scatter(x, op="sum", group=None, *, timeout=None, name=None):
             f"{what}: only op='sum' is supported (its gradient is an all-gather). "
             f"Received: op={op.value!r}"
         )
+    fusion = _fusion.validate_fusion(fusion)
     x, what = _prepare(x, "reduce_scatter", name)
     call = _collective.resolve(group, timeout, name)
     _checks.check_divisible(x.shape, 0, call.size, what)
 
     def forward(x):
-        return D.reduce_scatter(x, call)
+        return D.reduce_scatter(x, call, fusion)
 
     def backward(dy, x, y):
-        return D.all_gather(dy, call)
+        return D.all_gather(dy, call, fusion)
 
     return D.collective(x, call, forward, backward)
 

@@ -65,3 +65,41 @@ def local_norms(grads_and_vars, squared=False):
             key = f"{key}#{i}"
         out[key] = value
     return out
+
+
+def record_local_norm(variable, gradient):
+    """Sets `variable` to the L2 norm of `gradient`; returns `gradient`, ordered after it.
+
+    For the mirror ops' backward (MindSpore: dump_local_norm, printed there):
+    the norm of this replica's gradient before it is reduced. `variable` is
+    a per-replica float32 scalar (the layers create it), or None to record
+    nothing. The returned gradient depends on the assignment, so it runs in
+    a traced backward too.
+
+    Args:
+        variable: None or a scalar float variable.
+        gradient: a tensor or a ``tf.IndexedSlices`` (duplicate rows count
+            as their sum, as in `local_norms`).
+
+    Returns:
+        `gradient`, unchanged in value.
+    """
+    if variable is None:
+        return gradient
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    if values.dtype == tf.float64:
+        # float64 gradients keep their precision (local_norms computes in float32).
+        g = gradient
+        if isinstance(g, tf.IndexedSlices):
+            unique, pos = tf.unique(g.indices)
+            g = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
+        norm = tf.sqrt(tf.reduce_sum(tf.square(tf.convert_to_tensor(g))))
+    else:
+        (norm,) = local_norms([(gradient, "g")]).values()
+    update = variable.assign(tf.cast(norm, variable.dtype), read_value=False)
+    with tf.control_dependencies([update]):
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                tf.identity(gradient.values), gradient.indices, gradient.dense_shape
+            )
+        return tf.identity(gradient)

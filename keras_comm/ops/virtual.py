@@ -173,8 +173,74 @@ def virtual_div(x, divisor):
     return tf.nest.pack_sequence_as(x, [one(t) for t in flat])
 
 
+def tensor_layout(device_matrix, tensor_map, name="tensor_map"):
+    """Validates a MindSpore layout; returns (device_matrix, tensor_map) as tuples.
+
+    `device_matrix` arranges the group's members in a row-major grid (the
+    last dimension varies fastest); `tensor_map[i]` names the grid dimension
+    that splits tensor dimension i, counted from the grid's LAST dimension
+    (0 is the last, as in MindSpore), or -1 for a dimension kept whole.
+
+    Raises:
+        TypeError, ValueError: not lists of ints, a device dimension < 1, a
+            map entry outside [-1, len(device_matrix)), or a grid dimension
+            used twice.
+    """
+    if not isinstance(device_matrix, (list, tuple)) or not device_matrix:
+        raise ValueError(
+            "`device_matrix` must be a non-empty list of ints >= 1. "
+            f"Received: device_matrix={device_matrix!r}"
+        )
+    device_matrix = tuple(_validation.positive_int(d, "device_matrix") for d in device_matrix)
+    if not isinstance(tensor_map, (list, tuple)):
+        raise ValueError(
+            f"`{name}` must be a list of ints (one per tensor dimension). "
+            f"Received: {name}={tensor_map!r}"
+        )
+    k = len(device_matrix)
+    out = []
+    for m in tensor_map:
+        if isinstance(m, bool) or not isinstance(m, int) or not -1 <= m < k:
+            raise ValueError(
+                f"`{name}` entries must be ints in [-1, {k}) for a device matrix of "
+                f"{k} dimension(s). Received: {name}={list(tensor_map)!r}"
+            )
+        if m != -1 and m in out:
+            raise ValueError(
+                f"`{name}` may split by each device dimension once. "
+                f"Received: {name}={list(tensor_map)!r}"
+            )
+        out.append(m)
+    return device_matrix, tuple(out)
+
+
+def layout_slices(index, device_matrix, tensor_map):
+    """[(num_slices, slice_index)] per tensor dimension for group member `index`.
+
+    Pure: member `index`'s coordinates in the row-major `device_matrix`,
+    read through `tensor_map` (see `tensor_layout`); (1, 0) for a dimension
+    kept whole.
+    """
+    coords = []
+    for d in reversed(device_matrix):
+        coords.append(index % d)  # coords[j]: along the j-th LAST grid dimension
+        index //= d
+    return [
+        (1, 0) if m == -1 else (device_matrix[len(device_matrix) - 1 - m], coords[m])
+        for m in tensor_map
+    ]
+
+
 def get_tensor_slice(
-    x, axis=0, num_slices=None, group=None, backward="zeros", *, name=None
+    x,
+    axis=0,
+    num_slices=None,
+    group=None,
+    backward="zeros",
+    *,
+    device_matrix=None,
+    tensor_map=None,
+    name=None,
 ):
     """Keeps this replica's slice of a full tensor.
 
@@ -182,6 +248,14 @@ def get_tensor_slice(
     returns slice number ``group.index(rank) % num_slices``, where
     `num_slices` defaults to the group size (the common case: member i of
     the group keeps the i-th shard).
+    With a layout (`device_matrix` and `tensor_map`, MindSpore's
+    description; then `axis` and `num_slices` are not used) the group's
+    members form a row-major grid of shape `device_matrix` (its size must
+    be the group size), and tensor dimension i is split into
+    ``device_matrix[-1 - tensor_map[i]]`` equal slices, of which member p
+    keeps the one at its coordinate along that grid dimension; a dimension
+    with ``tensor_map[i] == -1`` is kept whole. Every split dimension must
+    divide evenly.
     Backward, chosen by name:
 
     * ``backward="zeros"``: ``dx = 0``. The full tensor is treated as a
@@ -199,47 +273,95 @@ def get_tensor_slice(
         num_slices: int >= 1, or None for the group size.
         group: None (all replicas), a list of global ranks or a `Group`.
         backward: "zeros" or "exact".
+        device_matrix: None, or a list of ints >= 1 whose product is the
+            group size.
+        tensor_map: None, or one int per dimension of `x`, in
+            ``[-1, len(device_matrix))``; with `device_matrix`.
         name: a layer name for error messages.
 
     Returns:
         This replica's slice.
 
     Raises:
-        ValueError: bad `axis`, `num_slices`, `backward`, or a dimension not
-            divisible by `num_slices`.
+        ValueError: bad `axis`, `num_slices`, `backward`, layout, or a
+            dimension not divisible by its number of slices.
     """
     what = _checks.what("get_tensor_slice", name)
     zeros_grad = _validation.one_of(backward, _GET_TENSOR_SLICE_BACKWARDS, "backward") == "zeros"
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < rank:
+    layout = device_matrix is not None or tensor_map is not None
+    if layout:
+        if device_matrix is None or tensor_map is None:
+            raise ValueError(
+                f"{what}: a layout needs both `device_matrix` and `tensor_map`. "
+                f"Received: device_matrix={device_matrix!r}, tensor_map={tensor_map!r}"
+            )
+        if axis != 0 or num_slices is not None:
+            raise ValueError(
+                f"{what}: `axis` and `num_slices` describe the one-axis slice; with a "
+                f"layout leave them at their defaults. Received: axis={axis!r}, "
+                f"num_slices={num_slices!r}"
+            )
+        device_matrix, tensor_map = tensor_layout(device_matrix, tensor_map)
+        if len(tensor_map) != rank:
+            raise ValueError(
+                f"{what}: `tensor_map` needs one entry per dimension of the input of "
+                f"shape {x.shape}. Received: tensor_map={list(tensor_map)!r}"
+            )
+    elif isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < rank:
         raise ValueError(
             f"{what}: `axis` must be an int in [-{rank}, {rank}) for an input of "
             f"shape {x.shape}. Received: axis={axis!r}"
         )
-    axis %= rank
     call = _collective.resolve(group, None, name)
-    n = call.size if num_slices is None else num_slices
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"`num_slices` must be an int >= 1 or None. Received: num_slices={num_slices!r}")
-    dim = x.shape[axis]
-    if dim is not None and dim % n:
-        raise ValueError(
-            f"{what}: dimension {axis} ({dim}) must be divisible by the number of "
-            f"slices {n}. Received: x.shape={x.shape}"
-        )
-    index = call.index % n if call.member else None
+    if layout:
+        devices = 1
+        for d in device_matrix:
+            devices *= d
+        if devices != call.size:
+            raise ValueError(
+                f"{what}: the device matrix must hold the group's {call.size} members. "
+                f"Received: device_matrix={list(device_matrix)!r}"
+            )
+        index = call.index if call.member else 0
+        splits = [
+            (a, n, i) for a, (n, i) in enumerate(layout_slices(index, device_matrix, tensor_map))
+        ]
+    else:
+        axis %= rank
+        n = call.size if num_slices is None else num_slices
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"`num_slices` must be an int >= 1 or None. Received: num_slices={num_slices!r}"
+            )
+        splits = [(axis, n, call.index % n if call.member else 0)]
+    for a, n, _ in splits:
+        dim = x.shape[a]
+        if dim is not None and dim % n:
+            raise ValueError(
+                f"{what}: dimension {a} ({dim}) must be divisible by the number of "
+                f"slices {n}. Received: x.shape={x.shape}"
+            )
+    splits = [s for s in splits if s[1] > 1] if layout else splits
+    member = call.member
+
+    def bounds(x):
+        shape = tf.shape(x)
+        begin, size = [tf.zeros([], tf.int32)] * rank, [shape[a] for a in range(rank)]
+        for a, n, i in splits:
+            size[a] = shape[a] // n
+            begin[a] = i * size[a]
+        return tf.stack(begin), tf.stack(size), shape
 
     def forward(x):
-        if index is None:
+        if not member:
             return tf.identity(x)
-        d = tf.shape(x)[axis]
-        size = d // n
-        begin = tf.one_hot(axis, rank, on_value=index * size, off_value=0, dtype=tf.int32)
-        sizes = tf.tensor_scatter_nd_update(tf.shape(x), [[axis]], [size])
-        y = tf.slice(x, begin, sizes)
+        begin, size, _ = bounds(x)
+        y = tf.slice(x, begin, size)
         static = x.shape.as_list()
-        static[axis] = None if dim is None else dim // n
+        for a, n, _ in splits:
+            static[a] = None if static[a] is None else static[a] // n
         y.set_shape(static)
         return y
 
@@ -247,13 +369,9 @@ def get_tensor_slice(
         dy = tf.convert_to_tensor(dy)
         if zeros_grad:
             return tf.zeros_like(x)
-        if index is None:
+        if not member:
             return dy
-        d = tf.shape(x)[axis]
-        size = d // n
-        pads = tf.one_hot(axis, rank, on_value=1, off_value=0, dtype=tf.int32)[:, None] * tf.stack(
-            [index * size, d - (index + 1) * size]
-        )[None, :]
-        return tf.pad(dy, pads)
+        begin, size, shape = bounds(x)
+        return tf.pad(dy, tf.stack([begin, shape - begin - size], axis=1))
 
     return D.with_gradient(x, forward, grad)

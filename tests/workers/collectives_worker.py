@@ -78,6 +78,16 @@ for op, zeros in (("prod", True), ("max", False), ("min", False)):
         zeros,
         "exact",
     )
+# A sparse upstream gradient (tf.gather downstream, a duplicate row): the
+# backward keeps it IndexedSlices for every op (densified here to compare).
+SPARSE_IDS = [0, 3, 0, 5]
+for op, zeros in (("prod", True), ("max", False), ("min", False)):
+    CASES[f"all_reduce_{op}_sparse_gradient"] = (
+        lambda x, op=op: tf.gather(K.all_reduce(x, op), SPARSE_IDS),
+        lambda xs, op=op: [tf.gather(red(op)(xs), SPARSE_IDS)] * N,
+        zeros,
+        "exact",
+    )
 CASES["all_reduce_sum_subgroup"] = (
     lambda x: K.all_reduce(x, "sum", SUB),
     lambda xs: per_member(xs, SUB, lambda m, r: tf.add_n([xs[i] for i in m])),
@@ -194,7 +204,8 @@ def distributed(mode):
                 tape.watch(x)
                 y = op_fn(x)
                 loss = tf.reduce_sum(weights(r, tf.shape(y)) * y)
-            out[name] = (y, tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            g = tape.gradient(loss, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            out[name] = (y, tf.convert_to_tensor(g))
         return out
 
     if mode == "function":

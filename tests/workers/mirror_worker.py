@@ -120,11 +120,37 @@ def fused_reference(xs):
     return [tf.concat([ta[r] ** 2, b, tc[r]], 0) for r in range(N)]
 
 
+def fused_gathers(x):
+    """All-gathers and reduce-scatters sharing fusion id 1: one pack per kind."""
+    parts = [
+        ops.all_gather(x[:2], fusion=1),
+        ops.all_gather(tf.reshape(x[2:], [4, 2, 2]), fusion=1),
+        ops.reduce_scatter(x, fusion=1),
+        ops.reduce_scatter(tf.reshape(x, [6, 2, 2]), fusion=1),
+    ]
+    return tf.concat([tf.reshape(p, [-1]) for p in parts], 0)
+
+
+def fused_gathers_reference(xs):
+    k = SHAPE[0] // N
+    a = tf.concat([x[:2] for x in xs], 0)
+    b = tf.concat([tf.reshape(x[2:], [4, 2, 2]) for x in xs], 0)
+    total = tf.add_n(xs)
+    out = []
+    for r in range(N):
+        c = total[r * k : (r + 1) * k]
+        d = tf.reshape(total, [6, 2, 2])[r * k : (r + 1) * k]
+        out.append(tf.concat([tf.reshape(p, [-1]) for p in (a, b, c, d)], 0))
+    return out
+
+
 def stateless_cases():
     world = list(range(N))
     sub = [0, N - 1]
     acc = per_replica((SHAPE[0] * N, SHAPE[1]))
     step = per_replica((), tf.int64)
+    shard_acc, shard_step = per_replica(SHAPE), per_replica((), tf.int64)
+    micro_acc = per_replica(SHAPE)
     size = SHAPE[0] // N
     return {
         "mirror_mean": linear_case(lambda x: ops.mirror_operator(x), tied(world, 1.0 / N)),
@@ -139,8 +165,43 @@ def stateless_cases():
             lambda x: ops.micro_step_all_gather(x, acc, False),
             lambda xs: [tf.concat(xs, 0)] * N,
         ),
+        "mini_step_all_gather_shard_accumulator_k1": linear_case(
+            lambda x: ops.mini_step_all_gather(
+                x, shard_acc, shard_step, 1, True, shard_accumulator=True
+            ),
+            lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
+        ),
+        "micro_step_all_gather_no_reduction": linear_case(
+            lambda x: ops.micro_step_all_gather(x, acc, reduce_gradient=False),
+            lambda xs: [
+                tf.concat([x if q == r else tf.stop_gradient(x) for q, x in enumerate(xs)], 0)
+                for r in range(N)
+            ],
+        ),
+        "micro_step_all_gather_with_mirror_operator": linear_case(
+            lambda x: ops.micro_step_all_gather(x, None, True, with_mirror_operator=True),
+            lambda xs: [tf.concat([scaled(x, 1.0 / N) for x in xs], 0)] * N,
+        ),
+        "mirror_micro_step_optimizer_shard_size_1": linear_case(
+            lambda x: ops.mirror_micro_step_operator(
+                x, micro_acc, True, None, True, optimizer_shard_size=1
+            ),
+            tied(world, 1.0 / N),
+        ),
+        "mirror_micro_step_optimizer_shard_size_n": linear_case(
+            lambda x: ops.mirror_micro_step_operator(
+                x, micro_acc, True, None, True, optimizer_shard_size=N
+            ),
+            lambda xs: xs,
+        ),
         "get_tensor_slice_exact": linear_case(
             lambda x: ops.get_tensor_slice(x, backward="exact"),
+            lambda xs: [x[r * size : (r + 1) * size] for r, x in enumerate(xs)],
+        ),
+        "get_tensor_slice_layout_exact": linear_case(
+            lambda x: ops.get_tensor_slice(
+                x, backward="exact", device_matrix=[1, N], tensor_map=[0, -1]
+            ),
             lambda xs: [x[r * size : (r + 1) * size] for r, x in enumerate(xs)],
         ),
         "get_tensor_slice_zeros": linear_case(
@@ -149,6 +210,9 @@ def stateless_cases():
         ),
         "virtual_div": linear_case(lambda x: ops.virtual_div(x, 4), lambda xs: [scaled(x, 0.25) for x in xs]),
         "fused_mirrors_and_all_reduce": linear_case(fused, fused_reference, ops.fusion_scope),
+        "fused_all_gathers_and_reduce_scatters": linear_case(
+            fused_gathers, fused_gathers_reference, ops.fusion_scope
+        ),
     }
 
 
@@ -223,6 +287,43 @@ def stateful_cases(mode):
     g0, g1 = run(0), run(1)
     want = sum((q + 1 + t) for q in range(N) for t in (0, 1))
     out["mini_step_all_gather_k2"] = max(np.abs(g0).max(), np.abs(g1 - want).max())
+
+    # The same with a shard-sized accumulator, reduce-scattered every step.
+    acc6, step6 = per_replica(SHAPE), per_replica((), tf.int64)
+
+    def gather_shard(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r)) + t
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = ops.mini_step_all_gather(x, acc6, step6, 2, False, shard_accumulator=True)
+            loss = tf.reduce_sum(y) * (tf.cast(r + 1, tf.float64) + t)
+        return tape.gradient(loss, x)
+
+    run = runner(gather_shard, mode)
+    g0, g1 = run(0), run(1)
+    out["mini_step_all_gather_shard_accumulator_k2"] = max(
+        np.abs(g0).max(), np.abs(g1 - want).max()
+    )
+
+    # dump_local_norm: the mirror records this replica's dy norm before reducing it.
+    norm = per_replica(())
+
+    def mirror_norm(t):
+        r = keras_comm.rank()
+        x = tf.constant(inp(r))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = ops.mirror_operator(x, local_norm=norm)
+            loss = tf.reduce_sum(tf.constant(weights(r, SHAPE)) * y)
+        return tape.gradient(loss, x)
+
+    g = runner(mirror_norm, mode)(0)
+    got = strategy.experimental_local_results(norm)[0].numpy()
+    want_g = sum(weights(q, SHAPE) for q in range(N)) / N
+    out["mirror_local_norm"] = max(
+        abs(float(got) - float(np.linalg.norm(weights(ME, SHAPE)))), np.abs(g - want_g).max()
+    )
 
     # virtual_assign_add reduce-scattered over the world, read back by
     # virtual_accu_grad; virtual_add of a rank-valued buffer.

@@ -77,13 +77,24 @@ def asymmetric_pattern(n):
 
 
 def _exchange_ref(send, recv, n, k, m, group=None):
-    from keras_comm.ops.neighbor import exchange_plan
-    _, _, _, _, _, transfers = exchange_plan(send, recv, [[3]] * k, [[3]] * m, group)
+    """The exchange simulated from the op's definition, not from keras_comm's plan.
+
+    Row p of the tables belongs to group member p. Output slot j of member b
+    receives from a = recv[b][j]; if it is the c-th slot of b that receives
+    from a, it holds the c-th input slot of a that a sends to b. Zeros where
+    the slot is None and on ranks outside the group.
+    """
+    members = list(range(n)) if group is None else sorted(group)
 
     def ref_fn(xs):
         ys = [[tf.zeros([3], xs[0].dtype) for _ in range(m)] for _ in range(n)]
-        for t in transfers:
-            ys[t.dst][t.recv_slot] = xs[t.src][t.send_slot]
+        for b, row in enumerate(recv):
+            for j, a in enumerate(row):
+                if a is None:
+                    continue
+                c = sum(1 for src in row[:j] if src == a)
+                to_b = [i for i, dst in enumerate(send[members.index(a)]) if dst == members[b]]
+                ys[members[b]][j] = xs[a][to_b[c]]
         return [tf.stack(y) for y in ys]
 
     return ref_fn
