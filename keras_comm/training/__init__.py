@@ -37,18 +37,20 @@ Where future policies plug in:
 * a pipeline executor: a policy whose replica step runs a schedule (a list
   of forward/backward instructions) over micro-batches, compiled by
   `step.make_function` like any other step;
-* non-trainable state sync (BatchNorm statistics): a step after step 3 of
-  the contract, in `replicated` (and `accumulate`), before the metrics;
+* non-trainable state sync (BatchNorm statistics): `nontrainable.sync(model)`,
+  a step after step 3 of the contract, in `replicated` and `accumulate`,
+  before the metrics (in place);
 * gradient bucketing or compression: `reduction` (the optimizer's path,
   `all_reduce_sum_gradients`) and `accumulate._contribution`/`_update`.
 """
 
 from keras_comm.training import accumulate
 from keras_comm.training import metrics
+from keras_comm.training import nontrainable
 from keras_comm.training import reduction
 from keras_comm.training import replicated
 from keras_comm.training import sharded_state
 from keras_comm.training import sharding
 from keras_comm.training import step
 
-__all__ = ["accumulate", "metrics", "reduction", "replicated", "sharded_state", "sharding", "step"]
+__all__ = ["accumulate", "metrics", "nontrainable", "reduction", "replicated", "sharded_state", "sharding", "step"]
