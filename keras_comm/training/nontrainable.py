@@ -89,7 +89,9 @@ def keep_per_replica(variable):
 
 def is_kept_per_replica(variable):
     """Whether `variable` is marked with `keep_per_replica`."""
-    return bool(getattr(keras_api.tf_variable(variable), PER_REPLICA_ATTR, False))
+    # Not getattr: a distributed variable forwards unknown attributes to its
+    # value, and reading an on-read one outside the replicas may fail.
+    return bool(vars(keras_api.tf_variable(variable)).get(PER_REPLICA_ATTR, False))
 
 
 def agreement_rule(variable):
