@@ -61,15 +61,13 @@ class RunningStats(keras.layers.Layer):
         return x
 
 
-def _model(K, n_features=3, user_layer=True, dropout=False):
+def _model(K, n_features=3, user_layer=True):
     inp = K.Input((6, 6, 2))
     h = K.layers.Conv2D(4, 3, use_bias=False)(inp)
     kwargs = {"fused": False} if K is tf_keras else {}
     h = K.layers.BatchNormalization(momentum=0.9, **kwargs)(h)
     h = K.layers.ReLU()(h)
     h = K.layers.GlobalAveragePooling2D()(h)
-    if dropout:
-        h = K.layers.Dropout(0.3)(h)
     if user_layer:
         h = RunningStats()(h)
     out = K.layers.Dense(n_features)(h)
@@ -195,7 +193,7 @@ def test_no_collective_without_state():
 # --- fit: identical on every replica, at tf-keras's value ----------------------
 
 
-def _fit_both(strategy, epochs=2):
+def _fit_both(strategy, epochs=1):
     n = strategy.num_replicas_in_sync
     x, y, batch = _data(n)
     keras.utils.set_random_seed(1)
@@ -212,7 +210,7 @@ def _fit_both(strategy, epochs=2):
     return model, reference, (x, y, batch)
 
 
-@pytest.mark.parametrize("kind", ["mwms2", "mwms4", "mirrored2"])
+@pytest.mark.parametrize("kind", ["mwms2", "mirrored2"])
 def test_fit_agrees_at_tf_keras_value(kind):
     if kind == "mirrored2":
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -229,9 +227,10 @@ def test_fit_agrees_at_tf_keras_value(kind):
         np.testing.assert_allclose(value, expected, rtol=2e-6, atol=2e-7, err_msg=path)
     # A count kept per replica and summed on read counts the global samples.
     seen = [v for v in model.non_trainable_weights if v.path.endswith("seen")][0]
-    assert [float(c) for c in _components(seen)] == [2 * len(x) / n] * n  # 2 epochs
-    assert float(keras.ops.convert_to_numpy(seen)) == 2 * len(x)
-    assert n == strategy.num_replicas_in_sync
+    assert [float(c) for c in _components(seen)] == [len(x) / n] * n
+    assert float(keras.ops.convert_to_numpy(seen)) == len(x)
+    if kind == "mwms2":
+        _check_evaluate_and_predict(model, x, y, batch)
 
 
 def test_user_running_average_is_the_mean_of_each_update():
@@ -255,9 +254,8 @@ def test_user_running_average_is_the_mean_of_each_update():
         np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_evaluate_and_predict_leave_state_and_agree():
-    strategy = make_strategy(2)
-    model, _, (x, y, batch) = _fit_both(strategy, epochs=1)
+def _check_evaluate_and_predict(model, x, y, batch):
+    # evaluate and predict change no state and equal one process's.
     before = [_components(v) for v in model.weights]
     loss = model.evaluate(_dataset(x, y, batch), verbose=0)
     pred = model.predict(x, batch_size=batch, verbose=0)
@@ -275,10 +273,16 @@ def test_evaluate_and_predict_leave_state_and_agree():
 
 def test_parallel_optimizer_agrees():
     strategy = make_strategy(2)
-    x, y, batch = _data(2, steps=4)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    batch = 4
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = _model(keras, dropout=True)
+        model = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3), keras.layers.Dense(2),
+        ])
         model.compile(keras.optimizers.Adam(0.01), "mse")
     po = keras_comm.callbacks.ParallelOptimizer(accumulation_steps=2, zero_stage=1)
     model.fit(_dataset(x, y, batch), epochs=1, verbose=0, callbacks=[po])
