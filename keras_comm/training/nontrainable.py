@@ -6,8 +6,9 @@ average) with ``aggregation="none"``: under a multi-replica strategy each
 replica's update changes only its own copy, so the replicas drift apart
 (issue 19) -- `evaluate` and `predict` then differ by worker, and the chief's
 checkpoint keeps only its own statistics. tf-keras created the moving
-statistics with MEAN aggregation: every update was averaged over the replicas
-as it was written.
+statistics per replica (``synchronization=ON_READ``, MEAN aggregation): each
+replica updated its own copy, and a read outside the replicas (saving,
+`get_weights`) returned their mean.
 
 Here the step averages that state once, after the update and before the
 metrics (step 3.5 of the `keras_comm.training` contract): one packed
@@ -15,14 +16,15 @@ all-reduce of every such variable per step (none at all when the model has
 none). With identical values at the step's start -- which this sync keeps --
 and an update linear in the replica's data with replica-independent
 coefficients, the mean of the updated values is the update with the mean
-batch statistic, i.e. what tf-keras's per-update MEAN gives, up to round-off:
+batch statistic, i.e. the mean tf-keras reads, up to round-off:
 BatchNormalization's ``moving = m * moving + (1 - m) * batch_stat`` is such
 an update, also when a shared layer updates it several times per step.
 For an update that is not linear (``moving = max(moving, x)``, two
 data-dependent updates composed non-linearly) the mean of the step's final
-values is still identical on every replica, but not per-update MEAN: declare
-such a variable with ``aggregation="mean"`` and TensorFlow averages each
-write (one collective per write), as tf-keras did.
+values is still identical on every replica, but not the mean of the
+replicas' own trajectories: declare such a variable with
+``aggregation="mean"`` and TensorFlow averages each write (one collective
+per write).
 
 Which variables (`agreement_rule`): the model's non-trainable variables with
 ``aggregation="none"`` whose floating dtype has a mean, that are distributed
@@ -30,8 +32,10 @@ Which variables (`agreement_rule`): the model's non-trainable variables with
 "on_read"``). Left alone, each for a reason:
 
 * ``aggregation`` "mean", "sum" or "only_first_replica": TensorFlow already
-  aggregates each write in replica context, so they never drift (a counter
-  declared with ``aggregation="sum"`` sums the replicas' increments).
+  aggregates each write in replica context, so they never drift. (Keras's
+  ``assign_add(d)`` is ``assign(v + d)``, which "sum" then sums over the
+  replicas, old value included: a global count is better kept as
+  ``synchronization="on_read", aggregation="sum"``, as metrics are.)
 * ``synchronization="on_read"``: per replica by design (keras_comm's
   per-replica gradient accumulators and step counters in
   `keras_comm.layers`, metric state).
@@ -39,7 +43,7 @@ Which variables (`agreement_rule`): the model's non-trainable variables with
   `SeedGenerator` states of `Dropout` and other random layers, advances by the
   same increment on every replica, so it stays identical without any sync;
   an integer that replicas update differently (a sample count) should be
-  declared with ``aggregation="sum"``.
+  per replica, summed on read (above).
 * Sharded weights of `keras_comm.parallel` (each replica holds a different
   shard) and variables marked with `keep_per_replica`.
 
