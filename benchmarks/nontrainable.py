@@ -6,7 +6,10 @@ synchronized) with the same weights; in one, every BatchNormalization
 variable is marked `keep_per_replica`, which turns the per-step sync off
 (no collective). The two `fit`s alternate epoch by epoch (interleaved); the
 first epoch of each, which traces, is not timed. Reports each round's time
-per step on this rank, and the bytes the sync all-reduces per step.
+per step on this rank, the bytes the sync all-reduces per step, and the time
+of the sync alone (the same all-reduce compiled on its own, many calls): on
+a noisy machine the step-time ratio is within noise, the sync alone shows
+what it adds.
 
 Driver side: `summarize` takes the slowest rank per round (a synchronous
 step ends with it) and reports the median ratio synced / not synced.
@@ -73,7 +76,9 @@ def measure(strategy, per_replica_batch, steps, rounds, log=print):
             timer = training._timer()
             model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer])
             times[kind].append((timer.ends[-1] - timer.ends[0]) / (steps - 1))
+    sync_times = _time_sync_alone(strategy, built["synced"], iters=max(20, 4 * steps))
     out = {
+        "sync_alone_s": sync_times,
         "step_times": times,
         "global_batch": per_replica_batch * n,
         "params": int(built["synced"].count_params()),
@@ -83,7 +88,27 @@ def measure(strategy, per_replica_batch, steps, rounds, log=print):
     if rank == 0:
         ratio = statistics.median(a / b for a, b in zip(times["synced"], times["per_replica"]))
         log(f"[nontrainable n={n}] synced/per-replica step time: {ratio:.3f} "
-            f"({out['bn_layers']} BN layers, {out['sync_bytes']} bytes per step)")
+            f"({out['bn_layers']} BN layers, {out['sync_bytes']} bytes per step); "
+            f"the sync alone {statistics.median(sync_times) * 1e3:.2f} ms, "
+            f"step {statistics.median(times['per_replica']) * 1e3:.1f} ms")
+    return out
+
+
+def _time_sync_alone(strategy, model, iters):
+    """Seconds per call of the sync alone (one compiled `strategy.run`)."""
+    import time
+
+    import tensorflow as tf
+
+    from keras_comm.training import nontrainable
+
+    fn = tf.function(lambda: strategy.run(nontrainable.sync, args=(model,)))
+    fn()  # trace
+    out = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
     return out
 
 
@@ -105,6 +130,9 @@ def summarize(ranks):
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "rounds": len(ratios),
+        "sync_alone_s": statistics.median(
+            max(r["sync_alone_s"][i] for r in ranks) for i in range(len(first["sync_alone_s"]))
+        ),
     }
 
 

@@ -46,6 +46,12 @@ def test_non_trainable_state_agrees_across_workers(num_workers):
     for r in rs:
         assert r["sync"]["max_abs"] < 1e-5, r["sync"]
 
+    # BackupAndRestore: interrupted and resumed == uninterrupted, on every
+    # worker (the chief's saved statistics are every worker's).
+    for r in rs:
+        for path, diff in r["resume"]["max_abs"].items():
+            assert diff < 1e-6, (r["rank"], path, diff)
+
     # Normalization adapted per worker: different adapted statistics, the
     # same (their mean) after fit.
     norm = [r["norm"] for r in rs]

@@ -14,7 +14,14 @@ Each worker is one replica. In one launch:
 3. "norm": a `keras.layers.Normalization` adapted on each worker's own
    shard, then trained: its statistics afterwards (identical: the mean of
    the workers' statistics).
+4. "resume": the BN model with `keras_comm.callbacks.BackupAndRestore`,
+   interrupted mid-epoch and resumed (in this process, a fresh model), against
+   the same fit uninterrupted: each worker's weights, moving statistics
+   included.
 """
+
+import os
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -138,6 +145,49 @@ def case_norm(x, y):
     }
 
 
+class Interrupt(keras.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.epoch = at, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch * STEPS + batch == self.at:
+            raise RuntimeError("interrupted")
+
+
+def case_resume(x, y):
+    backup = str(Path(os.environ["KERAS_COMM_TEST_OUT"]) / "backup")
+
+    def fresh():
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = cnn(keras, dropout=False)
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        return model
+
+    def fit(model, callbacks):
+        model.fit(dataset(x, y, N * LOCAL), epochs=2, verbose=0, callbacks=callbacks)
+
+    try:
+        fit(fresh(), [keras_comm.callbacks.BackupAndRestore(backup, save_freq=3), Interrupt(6)])
+        raise AssertionError("not interrupted")
+    except RuntimeError as e:
+        assert "interrupted" in str(e), e
+    resumed = fresh()
+    fit(resumed, [keras_comm.callbacks.BackupAndRestore(backup, save_freq=3)])
+    plain = fresh()
+    fit(plain, [])
+    return {
+        "max_abs": {
+            v.path: float(np.abs(v.value.numpy() - w.value.numpy()).max())
+            for v, w in zip(resumed.weights, plain.weights)
+        }
+    }
+
+
 def main():
     x, y = data()
     write_result(
@@ -147,6 +197,7 @@ def main():
             "bn": case_bn(x, y),
             "sync": case_sync(x, y),
             "norm": case_norm(x, y),
+            "resume": case_resume(x, y),
         }
     )
 
