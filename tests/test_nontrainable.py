@@ -287,3 +287,17 @@ def test_parallel_optimizer_agrees():
     po = keras_comm.callbacks.ParallelOptimizer(accumulation_steps=2, zero_stage=1)
     model.fit(_dataset(x, y, batch), epochs=1, verbose=0, callbacks=[po])
     assert _max_spread(model) == 0.0
+
+
+def test_benchmark_summary_takes_the_slowest_rank_per_round():
+    from benchmarks import nontrainable as bench
+
+    ranks = [
+        {"step_times": {"synced": [1.0, 3.0], "per_replica": [2.0, 1.0]},
+         "sync_alone_s": [0.1, 0.3], "global_batch": 8, "params": 1, "bn_layers": 7, "sync_bytes": 4},
+        {"step_times": {"synced": [2.0, 1.0], "per_replica": [1.0, 2.0]},
+         "sync_alone_s": [0.2, 0.1], "global_batch": 8, "params": 1, "bn_layers": 7, "sync_bytes": 4},
+    ]
+    row = bench.summarize(ranks)
+    assert row["ratio_min"] == 1.0 and row["ratio_max"] == 1.5 and row["ratio"] == 1.25
+    assert row["sync_alone_s"] == 0.25 and row["workers"] == 2
