@@ -301,3 +301,33 @@ def test_benchmark_summary_takes_the_slowest_rank_per_round():
     row = bench.summarize(ranks)
     assert row["ratio_min"] == 1.0 and row["ratio_max"] == 1.5 and row["ratio"] == 1.25
     assert row["sync_alone_s"] == 0.25 and row["workers"] == 2
+
+
+class ObservedModel(keras.Model):
+    """Its metrics observe the step: the optimizer's step count and the
+    square of a moving mean (whose mean over replicas is the square of the
+    agreed value only if every replica already holds it)."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = dict(super().compute_metrics(x, y, y_pred, sample_weight))
+        bn = [layer for layer in self.layers if isinstance(layer, keras.layers.BatchNormalization)][0]
+        logs["iterations"] = keras.ops.cast(self.optimizer.iterations, "float32")
+        logs["m2"] = keras.ops.sum(keras.ops.square(bn.moving_mean))
+        return logs
+
+
+def test_metrics_see_the_updated_and_agreed_state():
+    # Upstream's order: update, then metrics; here the sync sits between.
+    strategy = make_strategy(2)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    with strategy.scope():
+        inp = keras.Input((3,))
+        bn = keras.layers.BatchNormalization()
+        model = ObservedModel(inp, keras.layers.Dense(1)(bn(inp)))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(_dataset(x, y, 8), epochs=2, verbose=0).history
+    assert history["iterations"] == [1.0, 2.0]
+    agreed = _components(bn.moving_mean)[0].astype(np.float64)
+    np.testing.assert_allclose(history["m2"][-1], np.sum(agreed**2), rtol=1e-6)
