@@ -25,7 +25,8 @@ through `step.make_function(model, fn)` or
    the global batch, loss scaling, the `Forward` record for metrics);
 2. reduces each gradient exactly once -- the world-wide sum unless the
    variable carries its own reduction (`reduction.gradient_hook`);
-3. updates the weights;
+3. updates the weights, then calls `nontrainable.sync(model)` (replicas
+   agree on the non-trainable state the forward updated);
 4. returns `Forward.metrics(model)`, computed after the update, as upstream
    Keras does; the step owner reduces the logs across replicas.
 

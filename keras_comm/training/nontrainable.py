@@ -63,7 +63,13 @@ import tensorflow as tf
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 
-__all__ = ["agreement_rule", "keep_per_replica", "is_kept_per_replica", "sync", "variables_to_agree"]
+__all__ = [
+    "agreement_rule",
+    "is_kept_per_replica",
+    "keep_per_replica",
+    "sync",
+    "variables_to_agree",
+]
 
 #: Attribute of the tf.Variable marking it as per-replica state (`keep_per_replica`).
 PER_REPLICA_ATTR = "_keras_comm_per_replica"
