@@ -131,7 +131,7 @@ class AccumulateStep:
             replica.acc.assign_add(packed)
         if flat is not None:
             replica.hooked_acc.assign_add(flat)
-        nontrainable.sync(self.state.model)
+        nontrainable.sync(self.state.model, after=[packed, flat])
         return result.metrics(self.state.model)
 
     def apply_step(self, data):
