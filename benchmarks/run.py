@@ -38,6 +38,7 @@ from benchmarks import _stats
 from benchmarks import collectives
 from benchmarks import fusion
 from benchmarks import mpi
+from benchmarks import nontrainable
 from benchmarks import report
 from benchmarks import training
 
@@ -69,6 +70,7 @@ MODES = {
 }
 PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
 PO_PER_REPLICA_BATCH = 64
+NT_PER_REPLICA_BATCH = 32
 
 
 def _load_launch():
@@ -218,6 +220,11 @@ def _job_spec(args, n):
         spec["parallel_optimizer"] = {
             "configs": p["po_configs"], "per_replica_batch": PO_PER_REPLICA_BATCH,
             "steps": p["po_steps"], "rounds": p["po_rounds"],
+        }
+    if not args.no_training and n == p["workers"][0]:
+        # Non-trainable state sync (BatchNormalization): synced vs not, interleaved.
+        spec["nontrainable"] = {
+            "per_replica_batch": NT_PER_REPLICA_BATCH, "steps": p["po_steps"], "rounds": p["po_rounds"],
         }
     return spec
 
@@ -411,6 +418,11 @@ def main(argv=None):
             tr["parallel_optimizer"] = training.summarize_parallel_optimizer(
                 [r["parallel_optimizer"] for r in job["ranks"]]
             )
+        error = _family_error(job, "nontrainable")
+        tr["nontrainable"] = (
+            {"error": error} if error
+            else nontrainable.summarize([r["nontrainable"] for r in job["ranks"]])
+        )
         results["training"] = tr
 
     results["seconds"] = time.perf_counter() - started

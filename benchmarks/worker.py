@@ -78,6 +78,10 @@ def main(argv=None):
             yield "parallel_optimizer", lambda: training.measure_parallel_optimizer(
                 strategy, **spec["parallel_optimizer"], log=log
             )
+        if "nontrainable" in spec:
+            from benchmarks import nontrainable
+
+            yield "nontrainable", lambda: nontrainable.measure(strategy, **spec["nontrainable"], log=log)
 
     failed = False
     for name, measure in families():

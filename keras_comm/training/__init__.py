@@ -25,7 +25,8 @@ through `step.make_function(model, fn)` or
    the global batch, loss scaling, the `Forward` record for metrics);
 2. reduces each gradient exactly once -- the world-wide sum unless the
    variable carries its own reduction (`reduction.gradient_hook`);
-3. updates the weights;
+3. updates the weights, then calls `nontrainable.sync(model)` (replicas
+   agree on the non-trainable state the forward updated);
 4. returns `Forward.metrics(model)`, computed after the update, as upstream
    Keras does; the step owner reduces the logs across replicas.
 
@@ -37,18 +38,20 @@ Where future policies plug in:
 * a pipeline executor: a policy whose replica step runs a schedule (a list
   of forward/backward instructions) over micro-batches, compiled by
   `step.make_function` like any other step;
-* non-trainable state sync (BatchNorm statistics): a step after step 3 of
-  the contract, in `replicated` (and `accumulate`), before the metrics;
+* non-trainable state sync (BatchNorm statistics): `nontrainable.sync(model)`,
+  a step after step 3 of the contract, in `replicated` and `accumulate`,
+  before the metrics (in place);
 * gradient bucketing or compression: `reduction` (the optimizer's path,
   `all_reduce_sum_gradients`) and `accumulate._contribution`/`_update`.
 """
 
 from keras_comm.training import accumulate
 from keras_comm.training import metrics
+from keras_comm.training import nontrainable
 from keras_comm.training import reduction
 from keras_comm.training import replicated
 from keras_comm.training import sharded_state
 from keras_comm.training import sharding
 from keras_comm.training import step
 
-__all__ = ["accumulate", "metrics", "reduction", "replicated", "sharded_state", "sharding", "step"]
+__all__ = ["accumulate", "metrics", "nontrainable", "reduction", "replicated", "sharded_state", "sharding", "step"]

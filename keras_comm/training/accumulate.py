@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_comm._private import keras_api
 from keras_comm.training import sharding
 from keras_comm.ops import _collective
+from keras_comm.training import nontrainable
 from keras_comm.training import replicated
 from keras_comm.training.sharded_state import ShardedState
 from keras_comm.training.sharded_state import local_variable
@@ -130,6 +131,7 @@ class AccumulateStep:
             replica.acc.assign_add(packed)
         if flat is not None:
             replica.hooked_acc.assign_add(flat)
+        nontrainable.sync(self.state.model, after=[packed, flat])
         return result.metrics(self.state.model)
 
     def apply_step(self, data):
@@ -143,6 +145,7 @@ class AccumulateStep:
         if replica.hooked_acc is not None:
             flat = replica.hooked_acc.read_value() + flat
         self._update(replica, packed, flat)
+        nontrainable.sync(self.state.model)
         return result.metrics(self.state.model)
 
     def flush_step(self):

@@ -15,8 +15,12 @@ A gradient's path, top to bottom:
 2. `optimizer.apply_gradients`: reduces each gradient once
    (`keras_comm.training.reduction.all_reduce_sum_gradients`), unscales,
    clips and updates.
-3. `compute_metrics` on the forward's predictions; the step owner
-   (`keras_comm.training.step`) reduces the logs exactly across replicas.
+3. `nontrainable.sync`: the non-trainable state the forward updated
+   (BatchNormalization's moving statistics) set to its mean over replicas,
+   one packed all-reduce (see `keras_comm.training.nontrainable`).
+4. `compute_metrics` on the forward's predictions, after the update as
+   upstream; the step owner (`keras_comm.training.step`) reduces the logs
+   exactly across replicas.
 """
 
 import dataclasses
@@ -27,6 +31,7 @@ import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm.ops._fusion import fusion_scope
+from keras_comm.training import nontrainable
 from keras_comm.training import step
 
 
@@ -115,7 +120,9 @@ def train_step(self, data):
     """Replaces `TensorFlowTrainer.train_step` (a model method).
 
     Upstream's step, in upstream's order (update, then metrics), with the
-    global-batch loss weight of `global_batch_weight`.
+    global-batch loss weight of `global_batch_weight`, and the replicas'
+    non-trainable state averaged between the update and the metrics
+    (`nontrainable.sync`).
     """
     result = forward(self, data)
     if self.trainable_weights:
@@ -123,6 +130,7 @@ def train_step(self, data):
     else:
         # Upstream's warning, kept so behaviour matches stock Keras.
         warnings.warn("The model does not have any trainable weights.")
+    nontrainable.sync(self)
     return result.metrics(self)
 
 
