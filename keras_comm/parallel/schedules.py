@@ -132,6 +132,7 @@ _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 def train_schedule(schedule, num_stages, num_micro_batches):
     """Every stage's training instruction list: ``[ops of stage 0, ...]``."""
     build = _BUILDERS[check_schedule(schedule)]
+    _check(num_stages, num_micro_batches)
     return [build(s, num_stages, num_micro_batches) for s in range(num_stages)]
 
 
