@@ -728,7 +728,7 @@ class _Executor:
     def _backward(self, i):
         tape, x, y = self.tapes.pop(i)
         if self.loss_fn is not None and self.s == self.p - 1:
-            target, grads = self.losses[i], None
+            target, grads = self.losses.pop(i), None
         else:
             target, grads = y, self.g_out.pop(i)
         sources = [x, self.flat] if x.dtype.is_floating else [self.flat]
