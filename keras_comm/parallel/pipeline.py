@@ -282,17 +282,19 @@ class Pipeline(_common.ParallelLayer):
         static = self.static_group_size()
         if static is not None and static not in (1, len(stages)):
             raise ValueError(self._fit_message(static, len(stages)))
-        # Not tracked: the stages' own (uninitialised) variables must not
-        # become the model's weights; the buffer holds their values.
-        object.__setattr__(self, "_stages", list(stages))
+        # Hidden from Keras's tracking and from the saving walk (which visits
+        # every attribute, lists included): the stages' own (uninitialised)
+        # variables must not become the model's weights nor be saved; the
+        # buffer holds their values and is saved as the stages' weights.
+        object.__setattr__(self, "_holder", _Hidden(list(stages)))
 
-    @property
-    def stages(self):
-        return list(self._stages)
+    def stage_layers(self):
+        """The stage layers (built without weights of their own)."""
+        return list(self._holder.items)
 
     @property
     def num_stages(self):
-        return len(self._stages)
+        return len(self._holder.items)
 
     def _fit_message(self, size, p):
         return (
@@ -322,7 +324,7 @@ class Pipeline(_common.ParallelLayer):
         shapes = [input_shape]
         dtypes = []
         with keras.StatelessScope(initialize_variables=False):
-            for s, stage in enumerate(self._stages):
+            for s, stage in enumerate(self._holder.items):
                 shape = shapes[-1]
                 if not stage.built:
                     stage.build(shape)
@@ -340,7 +342,7 @@ class Pipeline(_common.ParallelLayer):
         self._dtypes = dtypes
         self._layout = []
         dtype = None
-        for s, stage in enumerate(self._stages):
+        for s, stage in enumerate(self._holder.items):
             if stage.non_trainable_variables:
                 raise ValueError(
                     f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) has non-trainable "
@@ -378,7 +380,9 @@ class Pipeline(_common.ParallelLayer):
 
     def _output_spec(self, s, stage, shape, dtype):
         try:
-            spec = stage.compute_output_spec(keras.KerasTensor(shape, dtype=dtype))
+            # A symbolic call: checks the stage's input spec (a stage built
+            # for another shape) and infers the output without computing.
+            spec = stage(keras.KerasTensor(shape, dtype=dtype))
         except Exception as e:  # the stage's own error says what mismatched
             raise ValueError(
                 f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) cannot take "
@@ -395,7 +399,7 @@ class Pipeline(_common.ParallelLayer):
     def _initial_stage_values(self, s):
         """Stage s's initial weights (numpy), the same on every worker."""
         values = []
-        for k, v in enumerate(self._stages[s].trainable_variables):
+        for k, v in enumerate(self._holder.items[s].trainable_variables):
             if keras_api.tf_variable(v) is not None:  # a stage built before
                 values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
                 continue
@@ -460,7 +464,7 @@ class Pipeline(_common.ParallelLayer):
         ]
 
     def _run_stage(self, s, values, x, training):
-        stage = self._stages[s]
+        stage = self._holder.items[s]
         kwargs = {}
         if training is not None and keras_api.call_has_training_arg(stage):
             kwargs["training"] = training
@@ -479,7 +483,7 @@ class Pipeline(_common.ParallelLayer):
 
     def compute_output_shape(self, input_shape):
         shape = tuple(input_shape)
-        for stage in self._stages:
+        for stage in self._holder.items:
             shape = tuple(stage.compute_output_shape(shape))
         return shape
 
@@ -621,11 +625,18 @@ class Pipeline(_common.ParallelLayer):
     def get_config(self):
         config = super().get_config()
         config.update(
-            stages=[keras.saving.serialize_keras_object(s) for s in self._stages],
+            stages=[keras.saving.serialize_keras_object(s) for s in self._holder.items],
             num_micro_batches=self.num_micro_batches,
             schedule=self.schedule,
         )
         return config
+
+
+class _Hidden:
+    """A plain holder: neither Keras's trackers nor its saving walk look inside."""
+
+    def __init__(self, items):
+        self.items = items
 
 
 class _Executor:
