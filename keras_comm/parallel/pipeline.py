@@ -287,6 +287,7 @@ class Pipeline(_common.ParallelLayer):
         # variables must not become the model's weights nor be saved; the
         # buffer holds their values and is saved as the stages' weights.
         object.__setattr__(self, "_holder", _Hidden(list(stages)))
+        object.__setattr__(self, "_traced_instructions", {})
 
     def stage_layers(self):
         """The stage layers (built without weights of their own)."""
@@ -677,6 +678,8 @@ class _Executor:
         return tf.concat([[self.mb], list(self.layer._shapes[k][1:])], 0)
 
     def run(self, instructions):
+        # What this replica traced, in order (tests check the interleaving).
+        self.layer._traced_instructions.setdefault(self.rank, []).append(list(instructions))
         for op in instructions:
             deps = [self.last] if self.last is not None else []
             with tf.control_dependencies(deps):
