@@ -128,6 +128,55 @@ def measure(width=256, batch=256, steps=5, rounds=3, micro_batches=MICRO_BATCHES
     return out
 
 
+def measure_memory(schedule, width=1024, batch=2048, micro_batches=8, layers=4, steps=3):
+    """Worker side: peak RSS growth of training steps with one schedule.
+
+    Run in its own process per schedule (peak RSS only grows): the RSS
+    high-water mark after building and tracing, then after `steps` steps.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras
+
+    import keras_comm  # noqa: F401
+    from keras_comm.parallel import Pipeline
+    from keras_comm.parallel import schedules
+
+    p = strategy.num_replicas_in_sync
+    rank = strategy.cluster_resolver.task_id or 0
+    x = np.random.default_rng(0).normal(size=(batch, width)).astype("float32")
+    ds = tf.data.Dataset.from_tensors((x, x)).repeat()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    ds = ds.with_options(options)
+
+    def stage():
+        return keras.Sequential([keras.layers.Dense(width, activation="tanh") for _ in range(layers)])
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((width,)), Pipeline([stage() for _ in range(p)], micro_batches, schedule)])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.make_train_function()
+    # A per-replica batch of batch / p; the pipeline gathers the group's `batch`.
+    it = iter(strategy.experimental_distribute_dataset(ds.unbatch().batch(batch)))
+    model.train_function(it)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for _ in range(steps):
+        model.train_function(it)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    in_flight = schedules.max_in_flight(schedules.train_schedule(schedule, p, micro_batches)[rank])
+    mb = batch // micro_batches
+    return {
+        "rank": rank, "schedule": schedule, "stages": p, "micro_batches": micro_batches,
+        "peak_rss_mb_after_trace": before, "peak_rss_mb_after_steps": after,
+        "micro_batches_in_flight": in_flight,
+        # Per micro-batch the stage keeps its input and each layer's output.
+        "accounted_activation_mb": in_flight * (layers + 1) * mb * width * 4 / 2**20,
+    }
+
+
 def summarize(per_rank):
     """Driver side: per configuration, the slowest rank's step and the mean bubble."""
     p = per_rank[0]["stages"]
@@ -215,10 +264,15 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--params", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: peak RSS of GPipe vs 1F1B at m=8 (one job per schedule)")
     args = parser.parse_args(argv)
+    if args.memory and not args.worker:
+        return memory_main(args)
     if args.worker:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        result = measure(**json.loads(args.params))
+        params = json.loads(args.params)
+        result = measure_memory(**params["memory"]) if "memory" in params else measure(**params)
         Path(f"{args.worker}.rank{result['rank']}.json").write_text(json.dumps(result))
         return 0
     params = dict(width=args.width, batch=args.batch, steps=args.steps, rounds=args.rounds)
@@ -230,6 +284,32 @@ def main(argv=None):
                   f"  activations in flight (stage 0) {r['activation_bytes_in_flight_stage0'] / 2**20:.1f} MiB")
     print(json.dumps({k: v for k, v in result.items() if k != "summaries"}))
     return 1 if result["errors"] else 0
+
+
+def memory_main(args):
+    import importlib
+
+    launch = importlib.import_module("keras_comm_run")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = args.workers[0]
+    rows = []
+    for schedule in ("gpipe", "1f1b", "gpipe", "1f1b"):  # twice each, alternating
+        tag = out_dir / f"memory_{schedule}_{len(rows)}"
+        params = {"memory": {"schedule": schedule}}
+        code = launch.run(["-m", "benchmarks.pipeline", "--worker", str(tag), "--params", json.dumps(params)],
+                          p, timeout=1800, env=env)
+        for r in range(p):
+            f = tag.with_suffix(f".rank{r}.json")
+            if code == 0 and f.exists():
+                rows.append(json.loads(f.read_text()))
+    for r in rows:
+        print(f"{r['schedule']:5s} rank {r['rank']}: peak RSS {r['peak_rss_mb_after_steps']:.0f} MB "
+              f"(after tracing {r['peak_rss_mb_after_trace']:.0f} MB); in flight {r['micro_batches_in_flight']}, "
+              f"accounted activations {r['accounted_activation_mb']:.0f} MB")
+    (out_dir / "memory.json").write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
