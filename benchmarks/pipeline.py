@@ -128,7 +128,7 @@ def measure(width=256, batch=256, steps=5, rounds=3, micro_batches=MICRO_BATCHES
     return out
 
 
-def measure_memory(schedule, width=1024, batch=2048, micro_batches=8, layers=4, steps=3):
+def measure_memory(schedule, width=1024, batch=8192, micro_batches=8, layers=4, steps=2):
     """Worker side: peak RSS growth of training steps with one schedule.
 
     Run in its own process per schedule (peak RSS only grows): the RSS

@@ -72,7 +72,7 @@ GRID = [
     (2, 4, "gpipe", True),
     (3, 2, "1f1b", False),
     (3, 4, "1f1b", True),
-    (4, 8, "gpipe", False),
+    (4, 4, "gpipe", False),
     (4, 2, "1f1b", False),
 ]
 
