@@ -39,6 +39,7 @@ from benchmarks import collectives
 from benchmarks import fusion
 from benchmarks import mpi
 from benchmarks import nontrainable
+from benchmarks import pipeline
 from benchmarks import report
 from benchmarks import training
 
@@ -171,6 +172,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-training", action="store_true", help="skip the training benchmarks")
     parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
     parser.add_argument("--no-fusion", action="store_true", help="skip the fusion-group benchmark")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the pipeline benchmark (benchmarks/pipeline.py)")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -348,6 +350,15 @@ def main(argv=None):
                               "seconds": time.perf_counter() - job_start}
             if code != 0 or ranks is None:
                 say(f"[job n={n}] failed with exit code {code}; see {out / 'run.log'}")
+
+        # The pipeline benchmark: one job per stage count (benchmarks/pipeline.py).
+        # (Not in --smoke: one more job launch would not fit the smoke test's budget.)
+        if not args.no_pipeline and args.mode != "smoke":
+            say(f"[pipeline] stages {p['workers']}")
+            results["pipeline"] = pipeline.run_all(
+                p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee,
+                **({"steps": 3, "rounds": 2} if args.mode == "quick" else {}),
+            )
 
         # ... and MPI again after them.
         if run_mpi:

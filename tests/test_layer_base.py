@@ -25,6 +25,7 @@ REQUIRED = {
     "ParallelEmbedding": dict(input_dim=4, output_dim=2),
     "MixtureOfExperts": dict(num_experts=2, units=2),
     "PipelineStage": dict(first=keras.layers.Dense(2), second=keras.layers.Dense(2)),
+    "Pipeline": dict(stages=[keras.layers.Dense(2), keras.layers.Dense(2)]),
 }
 
 CLASSES = [getattr(layers, n) for n in layers.__all__] + [
@@ -33,6 +34,7 @@ CLASSES = [getattr(layers, n) for n in layers.__all__] + [
     parallel.ParallelEmbedding,
     parallel.MixtureOfExperts,
     parallel.PipelineStage,
+    parallel.Pipeline,
 ]
 
 

@@ -309,6 +309,10 @@ def test_private_keras_attributes_exist():
     keras_api.set_initial_epoch(model, None)  # fit reads it back: must exist
     assert "_initial_epoch" in vars(model)
     assert float(keras_api.current_learning_rate(model.optimizer)) == pytest.approx(0.1)
+    with keras.StatelessScope(initialize_variables=False):
+        deferred = keras.layers.Dense(2)
+        deferred.build((None, 3))
+    assert callable(keras_api.deferred_initializer(deferred.kernel))
 
 
 def test_private_tensorflow_attributes_exist():
@@ -335,7 +339,7 @@ _PRIVATE_ATTRS = (
     "_make_function", "_maybe_symbolic_build", "_get_current_learning_rate",
     "_clip_gradients", "_use_weight_decay", "_learning_rate", "_distribute_strategy",
     "_symbolic_build", "_value_specs", "_get_iterator", "_all_reduce_sum_gradients",
-    "_autoconvert_optionals",
+    "_autoconvert_optionals", "_initializer",
 )
 _PRIVATE_CODE = re.compile(
     r"keras \. src|tensorflow \. python|\. (" + "|".join(_PRIVATE_ATTRS) + r")\b"

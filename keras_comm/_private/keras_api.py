@@ -289,6 +289,16 @@ def uses_weight_decay(optimizer, variable):
     return optimizer._use_weight_decay(variable)
 
 
+def deferred_initializer(variable):
+    """The initializer of a Keras variable created in a `keras.StatelessScope`.
+
+    Such a variable holds no value (Keras defers it); `keras_comm.parallel.Pipeline`
+    builds its stages that way, so that no replica allocates every stage,
+    and computes each stage's initial values from these initializers.
+    """
+    return variable._initializer
+
+
 # --- Layers under construction -------------------------------------------------
 
 

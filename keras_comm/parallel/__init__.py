@@ -11,6 +11,8 @@ from keras_comm.parallel.embedding import ParallelEmbedding
 from keras_comm.parallel.mesh import Mesh
 from keras_comm.parallel.moe import MixtureOfExperts
 from keras_comm.parallel.pipeline import PipelineStage
+from keras_comm.parallel.pipeline import Pipeline
+from keras_comm.parallel import schedules
 from keras_comm.parallel.sharded import ShardSpec
 from keras_comm.parallel.sharded import add_sharded_weight
 from keras_comm.parallel.sharded import assign_local_shards
@@ -30,6 +32,8 @@ __all__ = [
     "MixtureOfExperts",
     "ParallelEmbedding",
     "PipelineStage",
+    "Pipeline",
+    "schedules",
     "RowParallelDense",
     "ShardSpec",
     "add_sharded_weight",

@@ -1,13 +1,27 @@
-"""`PipelineStage`: a two-stage pipeline over two replicas, with micro-batches."""
+"""Pipeline parallelism: `Pipeline` (p stages, per-replica stage weights,
+GPipe / 1F1B schedules) and the older two-stage `PipelineStage`.
+
+`PipelineStage` keeps both stages' weights on both replicas; `Pipeline`
+replaces it (see docs/model_parallel.md for the migration).
+"""
+
+import zlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm import ops
 from keras_comm import topology
+from keras_comm._private import keras_api
 from keras_comm.layers._base import CollectiveLayer
+from keras_comm.ops import point_to_point as p2p
 from keras_comm.parallel import _common
+from keras_comm.parallel import mesh as mesh_lib
+from keras_comm.parallel import schedules
+from keras_comm.parallel import sharded
+from keras_comm.training import reduction
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -141,3 +155,621 @@ class PipelineStage(CollectiveLayer):
             stages=list(self.stages),
         )
         return config
+
+
+# ---------------------------------------------------------------------------
+# Pipeline: p stages, each replica holding only its own stage's weights.
+# ---------------------------------------------------------------------------
+
+_BUFFER_NAME = "stage_weights"
+
+
+def _act_tag(i):
+    return 2 * i
+
+
+def _grad_tag(i):
+    return 2 * i + 1
+
+
+def _seeded_initializer(initializer, seed):
+    init = keras.initializers.get(initializer) if not callable(initializer) else initializer
+    if isinstance(init, keras.initializers.Initializer):
+        config = init.get_config()
+        if "seed" in config and config["seed"] is None:
+            config["seed"] = int(seed)
+            init = init.__class__.from_config(config)
+    return init
+
+
+@keras.saving.register_keras_serializable(package="keras_comm")
+class Pipeline(_common.ParallelLayer):
+    """Runs `stages` as a pipeline: stage s on the replicas of stage s only.
+
+    The replicas of one group of the mesh axis `axis` (the whole world when
+    `mesh` is None) are the pipeline's stages, in group order: the group's
+    member i runs ``stages[i]``. Each replica holds only its own stage's
+    trainable weights, in one flat per-replica buffer (the layer's only
+    weight, ``stage_weights``, sized to the largest stage), and traces only
+    its own stage's computation (`layer.stateless_call` on slices of the
+    buffer). The stage layers themselves are built without allocating
+    their weights (inside a `keras.StatelessScope`).
+
+    Forward: the group's batches are all-gathered (stage 0 needs the
+    group's samples) and split into `num_micro_batches` micro-batches;
+    stage s receives micro-batch i's activation from stage s-1 (Receive),
+    runs, and sends it to stage s+1 (Send), in the order of the schedule's
+    table (`keras_comm.parallel.schedules`), each instruction chained to the
+    previous one by a control dependency. The last stage's outputs are
+    summed over the group (the others contribute zeros) and each replica
+    keeps its own samples' rows, so layers after the pipeline, the loss and
+    the metrics are per replica as usual.
+    Backward: the output gradient is summed over the group; the last stage
+    backpropagates each micro-batch through its stage and sends the input
+    gradient to stage s-1, and so on down to stage 0 (the schedule's
+    backward instructions); the buffer's gradient is the sum over
+    micro-batches of this stage's weight gradients, reduced over the
+    stage's data-parallel group only (the replicas running the same stage;
+    none on a 1-D mesh). The input gradient is stage 0's, scattered back to
+    each replica's rows. This equals the full-batch gradient.
+
+    Schedules: the layer runs the table's forward instructions in its
+    forward pass and its backward instructions in its backward pass, since
+    Keras computes the loss (after every layer) between the two: this is
+    GPipe's order for either table. `schedule="1f1b"` interleaves forwards
+    and backwards (at most p micro-batches in flight per stage) when the
+    model is trained through the pipeline training step
+    (`keras_comm.training.pipeline`), which `model.fit` uses for a model
+    whose last layer is a `Pipeline` (see docs/model_parallel.md).
+
+    With one replica per group (a 1-D mesh of size 1, or no strategy) the
+    replica holds every stage and the layer is the unsplit model
+    ``stages[-1](... stages[0](x))``: it builds, trains and saves in one
+    process like the model it distributes.
+
+    Args:
+        stages: a list of p >= 2 Keras layers or models (unbuilt, or built
+            for the shapes they receive). Stages must have trainable
+            weights of one dtype and no non-trainable weights.
+        num_micro_batches: m >= 1; must divide the group's batch (the sum
+            of the group members' batch sizes).
+        schedule: "1f1b" or "gpipe".
+        mesh: a `Mesh` with an `axis` axis of size p (or 1), or None (the
+            whole world is one pipeline: the world size must be p).
+        axis: the mesh axis holding the stages.
+        seed: int base seed for stage weights whose initializer has no seed
+            (None: derived from each weight's path; the same on every
+            worker, so replicas of one stage agree).
+        timeout: seconds; None for `keras_comm.get_timeout()`.
+
+    Input shape: ``stages[0]``'s. Output shape: ``stages[-1]``'s.
+
+    Raises:
+        ValueError: fewer than 2 stages, a bad `num_micro_batches` or
+            `schedule`; at build: a stage count that does not fit the axis,
+            consecutive stages whose shapes do not match, a known batch not
+            divisible into micro-batches, stages with non-trainable weights
+            or mixed dtypes.
+    """
+
+    def __init__(
+        self,
+        stages,
+        num_micro_batches=1,
+        schedule="1f1b",
+        mesh=None,
+        axis="pipeline",
+        seed=None,
+        timeout=None,
+        **kwargs,
+    ):
+        super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
+        if not isinstance(stages, (list, tuple)) or len(stages) < 2:
+            raise ValueError(
+                "`stages` must be a list of at least 2 Keras layers or models. "
+                f"Received: stages={stages!r}"
+            )
+        stages = [
+            keras.saving.deserialize_keras_object(s) if isinstance(s, dict) else s for s in stages
+        ]
+        for i, s in enumerate(stages):
+            if not isinstance(s, keras.layers.Layer):
+                raise TypeError(
+                    f"`stages[{i}]` must be a Keras layer or model. Received: stages[{i}]={s!r}"
+                )
+        self.num_micro_batches = _validation.positive_int(num_micro_batches, "num_micro_batches")
+        self.schedule = schedules.check_schedule(schedule)
+        static = self.static_group_size()
+        if static is not None and static not in (1, len(stages)):
+            raise ValueError(self._fit_message(static, len(stages)))
+        # Hidden from Keras's tracking and from the saving walk (which visits
+        # every attribute, lists included): the stages' own (uninitialised)
+        # variables must not become the model's weights nor be saved; the
+        # buffer holds their values and is saved as the stages' weights.
+        object.__setattr__(self, "_holder", _Hidden(list(stages)))
+        object.__setattr__(self, "_traced_instructions", {})
+
+    def stage_layers(self):
+        """The stage layers (built without weights of their own)."""
+        return list(self._holder.items)
+
+    @property
+    def num_stages(self):
+        return len(self._holder.items)
+
+    def _fit_message(self, size, p):
+        return (
+            f"Pipeline {self.name!r} has {p} stages, so its {self.axis!r} axis "
+            f"must have {p} replicas (one per stage), or 1 (every stage on one "
+            f"replica). Received: {self.axis!r} axis of size {size} for len(stages)={p}"
+        )
+
+    # -- build -----------------------------------------------------------------
+
+    def build(self, input_shape):
+        input_shape = tuple(input_shape)
+        p = self.num_stages
+        n = self.group_size()
+        # The mesh at build: host-side calls (full weights, loading) run
+        # outside the strategy scope, where the world size is not known.
+        self._built_mesh = mesh_lib.runtime_mesh(self.mesh, self.axis)
+        if n not in (1, p):
+            raise ValueError(self._fit_message(n, p))
+        batch = input_shape[0]
+        if batch is not None and (batch * n) % self.num_micro_batches:
+            raise ValueError(
+                f"Pipeline {self.name!r}: the group's batch ({n} x {batch}) must be "
+                f"divisible into `num_micro_batches` equal micro-batches. "
+                f"Received: num_micro_batches={self.num_micro_batches}"
+            )
+        shapes = [input_shape]
+        dtypes = []
+        with keras.StatelessScope(initialize_variables=False):
+            for s, stage in enumerate(self._holder.items):
+                shape = shapes[-1]
+                if not stage.built:
+                    stage.build(shape)
+                spec = self._output_spec(s, stage, shape, dtypes[-1] if dtypes else self.input_dtype)
+                shapes.append(tuple(spec.shape))
+                dtypes.append(spec.dtype)
+        for s, shape in enumerate(shapes[1:-1], start=1):
+            if any(d is None for d in shape[1:]):
+                raise ValueError(
+                    f"Pipeline {self.name!r}: the activation between stages {s - 1} and {s} "
+                    f"must have a static shape apart from the batch (it is received "
+                    f"into a buffer of that shape). Received: shape {shape}"
+                )
+        self._shapes = shapes
+        self._dtypes = dtypes
+        self._layout = []
+        dtype = None
+        for s, stage in enumerate(self._holder.items):
+            if stage.non_trainable_variables:
+                raise ValueError(
+                    f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) has non-trainable "
+                    "weights, which pipeline stages do not support yet (their updates "
+                    "would have to stay per replica). Received: "
+                    f"{[v.path for v in stage.non_trainable_variables]}"
+                )
+            entries, offset = [], 0
+            for v in stage.trainable_variables:
+                if dtype is None:
+                    dtype = v.dtype
+                if v.dtype != dtype:
+                    raise ValueError(
+                        f"Pipeline {self.name!r}: every stage weight must have one dtype "
+                        f"({dtype}), as they share one buffer. Received: {v.path} of dtype {v.dtype}"
+                    )
+                size = int(np.prod(v.shape))
+                entries.append((tuple(v.shape), offset, size))
+                offset += size
+            self._layout.append((entries, offset))
+        self._weight_dtype = dtype or "float32"
+        sizes = [size for _, size in self._layout]
+        length = sum(sizes) if n == 1 else max(sizes)
+        self._buffer = self.add_weight(
+            name=_BUFFER_NAME,
+            shape=(max(length, 1),),
+            initializer="zeros",
+            dtype=self._weight_dtype,
+            trainable=True,
+        )
+        reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
+        sharded.register_composite(self._buffer, self)
+        self._assign_initial_values()
+        self.built = True
+
+    def _output_spec(self, s, stage, shape, dtype):
+        try:
+            # A symbolic call: checks the stage's input spec (a stage built
+            # for another shape) and infers the output without computing.
+            spec = stage(keras.KerasTensor(shape, dtype=dtype))
+        except Exception as e:  # the stage's own error says what mismatched
+            raise ValueError(
+                f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) cannot take "
+                + ("the pipeline's input" if s == 0 else f"stage {s - 1}'s output")
+                + f" of shape {shape}: {e}. Received: input shape {shape} for stage {s}"
+            ) from None
+        if not isinstance(spec, keras.KerasTensor):
+            raise ValueError(
+                f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) must return one "
+                f"tensor. Received: {spec!r}"
+            )
+        return spec
+
+    def _initial_stage_values(self, s):
+        """Stage s's initial weights (numpy), the same on every worker."""
+        values = []
+        for k, v in enumerate(self._holder.items[s].trainable_variables):
+            if keras_api.tf_variable(v) is not None:  # a stage built before
+                values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
+                continue
+            seed = (
+                self.seed + 1000 * s + k
+                if self.seed is not None
+                else zlib.crc32(f"{self.name}/{s}/{k}/{v.path}".encode()) % (2**31)
+            )
+            init = _seeded_initializer(keras_api.deferred_initializer(v), seed)
+            values.append(np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype))))
+        return values
+
+    def _held_stages(self, rank):
+        """The stages replica `rank` holds, in buffer order."""
+        mesh = self._built_mesh
+        if mesh.axis_size(self.axis) == 1:
+            return list(range(self.num_stages))
+        return [mesh.coordinates(rank)[mesh.axes.index(self.axis)]]
+
+    def _flat(self, stage_values_by_stage, held):
+        length = int(self._buffer.shape[0])
+        parts = [np.ravel(v) for s in held for v in stage_values_by_stage[s]]
+        flat = np.concatenate(parts) if parts else np.zeros([0])
+        return np.pad(flat, (0, length - flat.size)).astype(self._weight_dtype)
+
+    def _assign_initial_values(self):
+        comps = sharded._components(self._buffer)
+        ranks = sharded._local_ranks(len(comps), sharded._strategy_of([self._buffer]))
+        needed = sorted({s for r in ranks for s in self._held_stages(r)})
+        values = {s: self._initial_stage_values(s) for s in needed}
+        self._assign_components(values)
+
+    def _assign_components(self, values):
+        comps = sharded._components(self._buffer)
+        strategy = sharded._strategy_of([self._buffer])
+        ranks = sharded._local_ranks(len(comps), strategy)
+        with tf.init_scope(), strategy.scope():
+            for r, c in zip(ranks, comps):
+                c.assign(self._flat(values, self._held_stages(r)))
+
+    def _reduce_gradient(self, grad):
+        """Replica context: SUM over the replicas running the same stage."""
+        if grad is None:
+            return grad
+        group = mesh_lib.runtime_mesh(self.mesh, self.axis).other_axes_group(self.axis)
+        if group.size == 1:
+            return grad
+        return ops.all_reduce(grad, group=group, timeout=self.timeout, name=f"{self.name}_grad")
+
+    # -- computing a stage ---------------------------------------------------------
+
+    def _stage_values(self, flat, s, held):
+        """Stage s's weights as tensors: slices of this replica's buffer."""
+        start = 0
+        for h in held:
+            if h == s:
+                break
+            start += self._layout[h][1]
+        return [
+            tf.reshape(flat[start + off : start + off + size], shape)
+            for shape, off, size in self._layout[s][0]
+        ]
+
+    def _run_stage(self, s, values, x, training):
+        stage = self._holder.items[s]
+        kwargs = {}
+        if training is not None and keras_api.call_has_training_arg(stage):
+            kwargs["training"] = training
+        out, _ = stage.stateless_call(values, [], x, **kwargs)
+        return out
+
+    def _sequential(self, inputs, training):
+        flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
+        held = list(range(self.num_stages))
+        x = inputs
+        for s in held:
+            x = self._run_stage(s, self._stage_values(flat, s, held), x, training)
+        return x
+
+    # -- call ----------------------------------------------------------------------
+
+    def compute_output_shape(self, input_shape):
+        shape = tuple(input_shape)
+        for stage in self._holder.items:
+            shape = tuple(stage.compute_output_shape(shape))
+        return shape
+
+    def compute_output_spec(self, inputs, training=None):
+        shape = self.compute_output_shape(inputs.shape)
+        dtype = self._dtypes[-1] if getattr(self, "_dtypes", None) else self.compute_dtype
+        return keras.KerasTensor(shape, dtype=dtype)
+
+    def call(self, inputs, training=None):
+        if _common.shape_only():
+            b = tf.shape(inputs)[0]
+            return tf.zeros(tf.concat([[b], self._shapes[-1][1:]], 0), self._dtypes[-1])
+        group = self.group()
+        if group.size == 1:
+            return self._sequential(inputs, training)
+        x = _common.gather_batch(inputs, group, self.name, self.timeout)
+        flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
+        y = self._pipelined(x, flat, group, training)
+        y = ops.all_reduce(y, group=group, timeout=self.timeout, name=f"{self.name}_output")
+        return _common.own_rows(y, group)
+
+    def _check_batch(self, x):
+        m = self.num_micro_batches
+        g = x.shape[0]
+        if g is not None:
+            if g % m:
+                raise ValueError(
+                    f"Pipeline {self.name!r}: the group's batch of {g} samples must be "
+                    f"divisible into `num_micro_batches` equal micro-batches. "
+                    f"Received: num_micro_batches={m}"
+                )
+            return x
+        check = tf.debugging.assert_equal(
+            tf.shape(x)[0] % m, 0,
+            message=f"Pipeline {self.name!r}: the group's batch is not divisible by "
+            f"num_micro_batches={m}",
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+    def _pipelined(self, x, flat, group, training):
+        x = self._check_batch(x)
+        rank = topology.rank()
+        s = group.index(rank)
+        table = schedules.train_schedule(self.schedule, self.num_stages, self.num_micro_batches)[s]
+
+        @tf.custom_gradient
+        def run(x, flat):
+            ex = _Executor(self, s, group, x, flat, training)
+            ex.run(schedules.forward_only(table))
+            y = ex.output()
+
+            def grad(dy):
+                ex.output_gradient(dy)
+                ex.run(schedules.backward_only(table))
+                return ex.input_gradient(), ex.weight_gradient()
+
+            return y, grad
+
+        return run(x, flat)
+
+    # -- weights in the unsplit order ------------------------------------------------
+
+    def full_values(self):
+        """Host side: every stage's weights, stage 0's first (numpy arrays).
+
+        Gathers the stages from their replicas (a collective: under
+        MultiWorkerMirroredStrategy every worker must call it).
+        """
+        comps = sharded._components(self._buffer)
+        strategy = sharded._strategy_of([self._buffer])
+        n = self._built_mesh.axis_size(self.axis)
+        if n == 1 or strategy.num_replicas_in_sync == 1:
+            flat = comps[0].numpy()
+            by_stage = [self._split(flat, list(range(self.num_stages)))]
+        else:
+
+            def replica_fn():
+                value = tf.identity(keras_api.tf_variable(self._buffer))
+                group = self._built_mesh.group(self.axis)
+                return ops.all_gather(value[None], group=group, name=f"{self.name}_full")
+
+            with strategy.scope():
+                out = tf.function(lambda: strategy.run(replica_fn))()
+            gathered = np.asarray(strategy.experimental_local_results(out)[0])
+            by_stage = [self._split(gathered[s], [s]) for s in range(self.num_stages)]
+        return [v for stage in by_stage for v in stage]
+
+    def _split(self, flat, held):
+        out, start = [], 0
+        for s in held:
+            entries, size = self._layout[s]
+            out += [
+                np.reshape(flat[start + off : start + off + n], shape).copy()
+                for shape, off, n in entries
+            ]
+            start += size
+        return out
+
+    def full_value_count(self):
+        return sum(len(entries) for entries, _ in self._layout)
+
+    def set_full_values(self, values):
+        """Host side: assigns every stage's weights (the unsplit order)."""
+        values = list(values)
+        if len(values) != self.full_value_count():
+            raise ValueError(
+                f"Pipeline {self.name!r} holds {self.full_value_count()} stage weights. "
+                f"Received: {len(values)} values"
+            )
+        by_stage, k = {}, 0
+        for s, (entries, _) in enumerate(self._layout):
+            stage_values = []
+            for shape, _, _ in entries:
+                v = np.asarray(values[k])
+                if tuple(v.shape) != tuple(shape):
+                    raise ValueError(
+                        f"Pipeline {self.name!r}: stage {s}'s weight {len(stage_values)} has "
+                        f"shape {shape}. Received: value of shape {v.shape}"
+                    )
+                stage_values.append(v)
+                k += 1
+            by_stage[s] = stage_values
+        self._assign_components(by_stage)
+
+    def stage_nbytes(self, s):
+        """Bytes of stage s's weights (what the replicas of stage s hold)."""
+        return self._layout[s][1] * np.dtype(self._weight_dtype).itemsize
+
+    # Saved as the unsplit stages' weights (gathered), loaded as each
+    # replica's own stage: a file loads on any split of the same stages.
+    def save_own_variables(self, store):
+        for i, value in enumerate(self.full_values()):
+            store[str(i)] = value
+
+    def load_own_variables(self, store):
+        self.set_full_values([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            stages=[keras.saving.serialize_keras_object(s) for s in self._holder.items],
+            num_micro_batches=self.num_micro_batches,
+            schedule=self.schedule,
+        )
+        return config
+
+
+class _Hidden:
+    """A plain holder: neither Keras's trackers nor its saving walk look inside."""
+
+    def __init__(self, items):
+        self.items = items
+
+
+class _Executor:
+    """Runs one stage's instruction list (`keras_comm.parallel.schedules`).
+
+    One instance per traced step on one replica. Each instruction's ops are
+    created after the previous instruction's (a control dependency), so the
+    stage runs the table's order, not just what the data allows; transfers
+    are ordered besides by the device's ordering token.
+
+    Micro-batch i's forward records a tape (the stage's input and this
+    replica's buffer watched); its backward consumes it. With `loss_fn`
+    (the pipeline training step), the last stage's forward also computes the
+    loss of micro-batch i and its backward starts from that loss instead of
+    a received gradient.
+    """
+
+    def __init__(self, layer, stage, group, x, flat, training, loss_fn=None):
+        self.layer = layer
+        self.s = stage
+        self.p = layer.num_stages
+        self.ranks = group.ranks
+        self.rank = self.ranks[stage]
+        self.x = x
+        self.flat = flat
+        self.training = training
+        self.loss_fn = loss_fn
+        m = layer.num_micro_batches
+        self.m = m
+        self.mb = tf.shape(x)[0] // m
+        self.h_in, self.h_out, self.tapes, self.g_out, self.dx = {}, {}, {}, {}, {}
+        self.losses = {}
+        self.dflat = None
+        self.pending = []  # sends, kept alive through the outputs
+        self.last = None
+
+    def _shape(self, k):
+        return tf.concat([[self.mb], list(self.layer._shapes[k][1:])], 0)
+
+    def run(self, instructions):
+        # What this replica traced, in order (tests check the interleaving).
+        self.layer._traced_instructions.setdefault(self.rank, []).append(list(instructions))
+        for op in instructions:
+            deps = [self.last] if self.last is not None else []
+            with tf.control_dependencies(deps):
+                self.last = getattr(self, "_" + op.kind)(op.micro_batch)
+
+    def _recv_act(self, i):
+        template = tf.zeros(self._shape(self.s), self.layer._dtypes[self.s - 1])
+        prev = self.ranks[self.s - 1]
+        h = ops.receive(template, {self.rank: prev}, tag=_act_tag(i), timeout=self.layer.timeout, name=self.layer.name)
+        self.h_in[i] = h
+        return h
+
+    def _forward(self, i):
+        if self.s == 0:
+            x = self.x[i * self.mb : (i + 1) * self.mb]
+        else:
+            x = self.h_in.pop(i)
+        with tf.GradientTape() as tape:
+            if x.dtype.is_floating:
+                tape.watch(x)
+            tape.watch(self.flat)
+            held = self.layer._held_stages(self.rank)
+            values = self.layer._stage_values(self.flat, self.s, held)
+            y = self.layer._run_stage(self.s, values, x, self.training)
+            if self.loss_fn is not None and self.s == self.p - 1:
+                self.losses[i] = self.loss_fn(i, y)
+        self.tapes[i] = (tape, x, y)
+        self.h_out[i] = y
+        return y
+
+    def _send_act(self, i):
+        nxt = self.ranks[self.s + 1]
+        y = self.h_out.pop(i)
+        sent = ops.send(y, {self.rank: nxt}, tag=_act_tag(i), timeout=self.layer.timeout, name=self.layer.name)
+        self.pending.append(sent)
+        self.h_out[i] = None  # the last stage keeps outputs; others need not
+        return sent
+
+    def output(self):
+        """The last stage's outputs for the group's batch; zeros elsewhere."""
+        if self.s == self.p - 1:
+            y = tf.concat([self.h_out[i] for i in range(self.m)], 0)
+        else:
+            shape = tf.concat([[tf.shape(self.x)[0]], list(self.layer._shapes[-1][1:])], 0)
+            y = tf.zeros(shape, self.layer._dtypes[-1])
+        return p2p._after(y, self.pending + [self.last])
+
+    def output_gradient(self, dy):
+        if self.s == self.p - 1:
+            for i in range(self.m):
+                self.g_out[i] = dy[i * self.mb : (i + 1) * self.mb]
+
+    def _recv_grad(self, i):
+        nxt = self.ranks[self.s + 1]
+        template = tf.zeros(self._shape(self.s + 1), self.layer._dtypes[self.s])
+        g = ops.receive(template, {self.rank: nxt}, tag=_grad_tag(i), timeout=self.layer.timeout, name=self.layer.name)
+        self.g_out[i] = g
+        return g
+
+    def _backward(self, i):
+        tape, x, y = self.tapes.pop(i)
+        if self.loss_fn is not None and self.s == self.p - 1:
+            target, grads = self.losses.pop(i), None
+        else:
+            target, grads = y, self.g_out.pop(i)
+        sources = [x, self.flat] if x.dtype.is_floating else [self.flat]
+        out = tape.gradient(target, sources, output_gradients=grads)
+        dflat = out[-1]
+        if dflat is None:
+            dflat = tf.zeros_like(self.flat)
+        self.dflat = dflat if self.dflat is None else self.dflat + dflat
+        if x.dtype.is_floating:
+            self.dx[i] = out[0] if out[0] is not None else tf.zeros_like(x)
+        return self.dflat
+
+    def _send_grad(self, i):
+        prev = self.ranks[self.s - 1]
+        sent = ops.send(self.dx.pop(i), {self.rank: prev}, tag=_grad_tag(i), timeout=self.layer.timeout, name=self.layer.name)
+        self.pending.append(sent)
+        return sent
+
+    def input_gradient(self):
+        """Stage 0's gradient of the group's batch; zeros elsewhere (None for ints)."""
+        if not self.x.dtype.is_floating:
+            return None
+        if self.s == 0:
+            g = tf.concat([self.dx.pop(i) for i in range(self.m)], 0)
+        else:
+            g = tf.zeros_like(self.x)
+        return p2p._after(g, self.pending + [self.last])
+
+    def weight_gradient(self):
+        return p2p._after(self.dflat, self.pending + [self.last])

@@ -282,6 +282,21 @@ def _strategy_of(weights):
     return tf.distribute.get_strategy()
 
 
+# Weights that stand for several full weights: a `Pipeline`'s per-replica
+# stage buffer is its stages' weights. id(tf.Variable) -> the owner, with
+# `full_values()` / `set_full_values(values)` / `full_value_count()`.
+_composites = {}
+
+
+def register_composite(variable, owner):
+    """Makes `full_weights` expand `variable` into ``owner.full_values()``."""
+    _composites[id(_tf_variable(variable))] = owner
+
+
+def _composite(variable):
+    return _composites.get(id(_tf_variable(variable)))
+
+
 def full_weights(model_or_layer):
     """Host side: every weight of a model/layer as a full numpy array.
 
@@ -290,6 +305,17 @@ def full_weights(model_or_layer):
     the same layers would use.
     """
     weights = list(model_or_layer.weights)
+    if any(_composite(w) is not None for w in weights):
+        out = []
+        for w in weights:
+            owner = _composite(w)
+            out += owner.full_values() if owner is not None else full_weights_of([w])
+        return out
+    return full_weights_of(weights)
+
+
+def full_weights_of(weights):
+    """`full_weights` of a list of weights (no composite among them)."""
     strategy = _strategy_of(weights)
     if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
         return [np.asarray(w.numpy()) for w in weights]
@@ -308,6 +334,30 @@ def full_weights(model_or_layer):
 def set_full_weights(model_or_layer, values):
     """Host side: assigns full values (e.g. an unsplit model's `get_weights()`)."""
     weights = list(model_or_layer.weights)
+    if any(_composite(w) is not None for w in weights):
+        values, out = list(values), []
+        expected = sum(
+            _composite(w).full_value_count() if _composite(w) is not None else 1 for w in weights
+        )
+        if len(values) != expected:
+            raise ValueError(
+                f"`values` must hold one array per weight of the unsplit model ({expected}). "
+                f"Received: len(values)={len(values)}"
+            )
+        for w in weights:
+            owner = _composite(w)
+            if owner is None:
+                set_full_weights_of([w], [values.pop(0)])
+            else:
+                k = owner.full_value_count()
+                owner.set_full_values(values[:k])
+                del values[:k]
+        return
+    set_full_weights_of(weights, values)
+
+
+def set_full_weights_of(weights, values):
+    """`set_full_weights` of a list of weights (no composite among them)."""
     if len(weights) != len(values):
         raise ValueError(
             f"`values` must hold one array per weight ({len(weights)}). "

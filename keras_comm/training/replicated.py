@@ -122,8 +122,14 @@ def train_step(self, data):
     Upstream's step, in upstream's order (update, then metrics), with the
     global-batch loss weight of `global_batch_weight`, and the replicas'
     non-trainable state averaged between the update and the metrics
-    (`nontrainable.sync`).
+    (`nontrainable.sync`). A model whose output is a 1F1B
+    `keras_comm.parallel.Pipeline` trains through the pipeline step instead
+    (`keras_comm.training.pipeline`).
     """
+    from keras_comm.training import pipeline
+
+    if pipeline.applies(self):
+        return pipeline.train_step(self, data)
     result = forward(self, data)
     if self.trainable_weights:
         self.optimizer.apply_gradients(zip(result.grads, self.trainable_weights))

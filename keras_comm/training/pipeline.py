@@ -1,0 +1,157 @@
+"""The pipeline training step: a policy whose replica step runs a schedule.
+
+1F1B starts micro-batch i's backward before later micro-batches' forwards,
+so it needs micro-batch i's loss while the pipeline is still running. A
+layer cannot have it: Keras computes the loss after every layer has run. So
+for a model whose output is a `keras_comm.parallel.Pipeline` with
+``schedule="1f1b"``, the step is this policy's instead of the replicated
+one (`keras_comm.training.replicated.train_step` hands over to it):
+
+1. the layers before the pipeline run on each replica's batch (a tape);
+2. their outputs, labels and sample weights are all-gathered over the
+   pipeline group; the stages run the full 1F1B table through the
+   pipeline's executor, the last stage computing micro-batch i's loss
+   (its share of the mean over the global batch) right after its forward
+   and backpropagating it at once;
+3. stage 0's input gradient goes back to each replica's rows
+   (reduce-scatter) and through the tape of step 1;
+4. the optimizer applies the gradients: the stage buffer's reduced over the
+   stage's data group (its gradient hook), every other weight world-wide;
+5. the last stage's outputs, summed over the group, give every replica its
+   own samples' predictions, for the loss metric and the metrics.
+
+The gradient equals the full-batch gradient (the loss of micro-batch i is
+weighted by its share of the global batch, as `replicated.forward` weights a
+replica's). Layers after the pipeline are not supported by this step
+(model.fit then uses the layer's GPipe order): their weights would have to
+run on the last stage. Regularization losses (``model.losses``) are
+refused.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_comm import ops
+from keras_comm._private import keras_api
+
+
+def _pipeline_layer(model):
+    """The model's output Pipeline (schedule 1F1B), or None."""
+    from keras_comm.parallel import pipeline as pipeline_lib
+
+    cached = getattr(model, "_keras_comm_pipeline_policy", False)
+    if cached is not False:
+        return cached
+    layer = None
+    layers = getattr(model, "layers", [])
+    if layers and isinstance(layers[-1], pipeline_lib.Pipeline) and layers[-1].schedule == "1f1b":
+        candidate = layers[-1]
+        try:
+            outputs = list(model.outputs)
+            if len(outputs) == 1 and candidate.output is outputs[0]:
+                layer = candidate
+        except (AttributeError, ValueError):
+            layer = None
+    object.__setattr__(model, "_keras_comm_pipeline_policy", layer)
+    return layer
+
+
+def applies(model):
+    """Whether `model` trains through this step (in replica context)."""
+    layer = _pipeline_layer(model)
+    return layer is not None and layer.built and layer.group().size > 1
+
+
+def _pre_model(model, layer):
+    pre = getattr(layer, "_keras_comm_pre_model", None)
+    if pre is None:
+        inputs = list(model.inputs)
+        if len(inputs) == 1 and layer.input is inputs[0]:
+            pre = "identity"
+        else:
+            pre = keras.Model(inputs if len(inputs) > 1 else inputs[0], layer.input)
+        object.__setattr__(layer, "_keras_comm_pre_model", pre)
+    return pre
+
+
+def train_step(model, data):
+    """The replica step of a model whose output is a 1F1B `Pipeline`."""
+    from keras_comm.parallel import _common
+    from keras_comm.parallel import pipeline as pipeline_lib
+    from keras_comm.parallel import schedules
+    from keras_comm.training import nontrainable
+    from keras_comm.training import replicated
+
+    layer = _pipeline_layer(model)
+    if model.losses:
+        raise ValueError(
+            f"The pipeline training step of {layer.name!r} does not support "
+            "regularization losses (model.losses). Received: "
+            f"{len(model.losses)} losses"
+        )
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    pre = _pre_model(model, layer)
+    group = layer.group()
+    name, timeout = layer.name, layer.timeout
+    with tf.GradientTape() as tape:
+        h = x if pre == "identity" else pre(x, training=True)
+    pre_weights = [] if pre == "identity" else list(pre.trainable_weights)
+    batch = tf.shape(h)[0]
+
+    def gather(t):
+        return None if t is None else _common.gather_batch(t, group, name, timeout)
+
+    hg = layer._check_batch(gather(h))
+    yg = tf.nest.map_structure(gather, y)
+    swg = tf.nest.map_structure(gather, sample_weight)
+    flat = tf.convert_to_tensor(keras_api.tf_variable(layer._buffer))
+    m = layer.num_micro_batches
+    mb = tf.shape(hg)[0] // m
+    # Micro-batch i's share of the loss over the global batch: Keras's
+    # per-replica loss is mean / num_replicas, so scale it by
+    # num_replicas * (micro-batch size) / (global batch size).
+    weight = replicated.global_batch_weight(batch, tf.float32)
+    if weight is not None:
+        weight = weight * tf.math.divide_no_nan(tf.cast(mb, tf.float32), tf.cast(batch, tf.float32))
+
+    def rows(t, i):
+        return None if t is None else t[i * mb : (i + 1) * mb]
+
+    def loss_fn(i, y_pred):
+        yi = tf.nest.map_structure(lambda t: rows(t, i), yg)
+        swi = tf.nest.map_structure(lambda t: rows(t, i), swg)
+        loss = keras_api.compute_loss(model, None, yi, y_pred, swi)
+        if weight is not None:
+            loss = loss * tf.cast(weight, loss.dtype)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        return loss
+
+    s = group.index(_rank())
+    table = schedules.train_schedule("1f1b", layer.num_stages, m)[s]
+    ex = pipeline_lib._Executor(layer, s, group, hg, flat, True, loss_fn=loss_fn)
+    ex.run(table)
+    dflat = ex.weight_gradient()
+    y_full = ops.all_reduce(ex.output(), group=group, timeout=timeout, name=f"{name}_output")
+    y_pred = _common.own_rows(y_full, group)
+    grads = []
+    if pre_weights:
+        dhg = ex.input_gradient()
+        dh = ops.reduce_scatter(dhg, group=group, timeout=timeout, name=f"{name}_input_grad")
+        grads = tape.gradient(h, pre_weights, output_gradients=dh)
+    by_id = {id(w): g for w, g in zip(pre_weights, grads)}
+    by_id[id(layer._buffer)] = dflat
+    weights = model.trainable_weights
+    model.optimizer.apply_gradients(zip([by_id.get(id(w)) for w in weights], weights))
+    # Layers before the pipeline may keep moving statistics (BatchNormalization).
+    nontrainable.sync(model)
+    # The loss metric: this replica's own samples, as the replicated step tracks it.
+    loss = keras_api.compute_loss(model, x, y, y_pred, sample_weight)
+    keras_api.track_loss(model, loss, batch)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _rank():
+    from keras_comm import topology
+
+    return topology.rank()

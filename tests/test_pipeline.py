@@ -1,0 +1,211 @@
+"""`keras_comm.parallel.Pipeline` on in-process replicas: exact against the unsplit model.
+
+Every check trains the pipelined model with `model.fit` for two steps and the
+unsplit model (the same layers in one Sequential, the same initial weights)
+in one process on the same global batches, and compares the weights
+(<= 1e-5 relative). Cross-worker runs are in test_pipeline_multiprocess.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_comm
+from conftest import make_strategy
+from keras_comm.parallel import Mesh
+from keras_comm.parallel import Pipeline
+from keras_comm.parallel import full_weights
+from keras_comm.parallel import set_full_weights
+
+WIDTHS = (5, 6, 4, 7)  # stage s: Dense(WIDTHS[s]); unequal stage sizes
+
+
+def _stages(p):
+    return [keras.layers.Dense(WIDTHS[s], activation="tanh") for s in range(p)]
+
+
+def _models(p, m, schedule, strategy, post=False, mesh=None):
+    layers = [keras.Input((3,)), keras.layers.Dense(4)]
+    tail = [keras.layers.Dense(2)] if post else []
+    with strategy.scope():
+        model = keras.Sequential(
+            layers + [Pipeline(_stages(p), num_micro_batches=m, schedule=schedule, mesh=mesh)] + tail
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + _stages(p) + [keras.layers.Dense(2)] * post)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    ref.set_weights(full_weights(model))
+    return model, ref
+
+
+def _data(global_batch, out):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2 * global_batch, 3)).astype("float32")
+    y = rng.normal(size=(2 * global_batch, out)).astype("float32")
+    return x, y
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+def _check_exact(model, ref, x, y, batch):
+    h = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
+    h_ref = ref.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
+    got, want = full_weights(model), ref.get_weights()
+    assert [w.shape for w in got] == [w.shape for w in want]
+    assert max(_rel(a, b) for a, b in zip(got, want)) <= 1e-5
+    assert h["loss"][0] == pytest.approx(h_ref["loss"][0], rel=1e-5)
+    assert h["mae"][0] == pytest.approx(h_ref["mae"][0], rel=1e-5)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=batch, verbose=0), ref.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
+
+
+# (p, m, schedule, layers after the pipeline): 1F1B with the pipeline last
+# runs the interleaved training step; with a layer after it, the layer's
+# (GPipe-order) path.
+GRID = [
+    (2, 1, "gpipe", False),
+    (2, 8, "1f1b", False),
+    (2, 4, "gpipe", True),
+    (3, 2, "1f1b", False),
+    (3, 4, "1f1b", True),
+    (4, 4, "gpipe", False),
+    (4, 2, "1f1b", False),
+]
+
+
+def _compute_order(instructions):
+    return [(op.kind, op.micro_batch) for op in instructions if op.kind in ("forward", "backward")]
+
+
+@pytest.mark.parametrize("p, m, schedule, post", GRID)
+def test_pipeline_trains_exactly_as_the_unsplit_model(p, m, schedule, post):
+    strategy = make_strategy(p)
+    model, ref = _models(p, m, schedule, strategy, post=post)
+    x, y = _data(2 * p * m, 2 if post else WIDTHS[p - 1])
+    _check_exact(model, ref, x, y, batch=2 * p * m)
+    # What stage 0 traced for training: the whole 1F1B table (interleaved)
+    # when the pipeline is the model's last layer, else the forward and the
+    # backward halves (GPipe's order).
+    layer = [lay for lay in model.layers if isinstance(lay, Pipeline)][0]
+    table = keras_comm.parallel.schedules.train_schedule(schedule, p, m)[0]
+    runs = layer._traced_instructions[0]
+    if schedule == "1f1b" and not post:
+        assert table in runs
+        if m >= p:
+            order = _compute_order(table)
+            assert order.index(("backward", 0)) < order.index(("forward", p))
+    else:
+        assert keras_comm.parallel.schedules.forward_only(table) in runs
+        assert keras_comm.parallel.schedules.backward_only(table) in runs
+
+
+def test_each_replica_holds_only_its_stage():
+    p = 4
+    strategy = make_strategy(p)
+    model, _ = _models(p, 2, "1f1b", strategy)
+    layer = model.layers[1]
+    stage_sizes = [layer.stage_nbytes(s) // 4 for s in range(p)]
+    assert stage_sizes == [4 * 5 + 5, 5 * 6 + 6, 6 * 4 + 4, 4 * 7 + 7]
+    # The replica's trainable parameters: the layers around the pipeline
+    # and one buffer as large as the largest stage, not all stages.
+    (buffer,) = [v for v in model.trainable_variables if "stage_weights" in v.path]
+    assert buffer.shape == (max(stage_sizes),)
+    per_replica = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert per_replica == 3 * 4 + 4 + max(stage_sizes)
+    # Each replica's component holds its own stage's weights (then padding).
+    comps = keras_comm.parallel.process_shards(buffer)
+    values = layer.full_values()
+    for s in range(p):
+        flat = np.concatenate([np.ravel(v) for v in values[2 * s : 2 * s + 2]])  # kernel, bias
+        np.testing.assert_array_equal(comps[s][: flat.size], flat)
+        assert not comps[s][flat.size :].any()
+
+
+def test_pipeline_composes_with_data_parallel_on_a_mesh():
+    # 2 pipeline stages x 2 data replicas: a stage's gradients are reduced
+    # over its data group only.
+    mesh = Mesh((2, 2), ("data", "pipeline"))
+    strategy = make_strategy(4)
+    # (Both schedules on a 2 x 2 mesh of real workers: test_pipeline_multiprocess.py.)
+    model, ref = _models(2, 2, "1f1b", strategy, mesh=mesh)
+    x, y = _data(16, WIDTHS[1])
+    _check_exact(model, ref, x, y, batch=16)
+
+
+def test_one_process_pipeline_is_the_unsplit_model_and_loads_its_files(tmp_path):
+    strategy = make_strategy(2)
+    model, _ = _models(2, 2, "1f1b", strategy)
+    x, y = _data(8, WIDTHS[1])
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    weights = full_weights(model)
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    model.save(str(tmp_path / "m.keras"))
+    # No strategy: one replica holds both stages.
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_stages(2), 2)])
+    local.load_weights(str(tmp_path / "w.weights.h5"))
+    for a, b in zip(full_weights(local), weights):
+        np.testing.assert_array_equal(a, b)
+    loaded = keras.saving.load_model(str(tmp_path / "m.keras"))
+    for a, b in zip(full_weights(loaded), weights):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, batch_size=8, verbose=0), rtol=1e-6, atol=1e-6
+    )
+    # And back: the one-process weights set onto the pipelined model.
+    set_full_weights(model, full_weights(loaded))
+    for a, b in zip(full_weights(model), weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_round_trip():
+    layer = Pipeline(_stages(3), num_micro_batches=4, schedule="gpipe", axis="pp")
+    config = layer.get_config()
+    again = Pipeline.from_config(config)
+    assert again.get_config() == config
+    assert again.num_stages == 3 and again.schedule == "gpipe"
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        (dict(stages=[keras.layers.Dense(2)]), "at least 2"),
+        (dict(stages=[keras.layers.Dense(2), "dense"]), "stages[1]"),
+        (dict(stages=[keras.layers.Dense(2)] * 2, num_micro_batches=0), "num_micro_batches"),
+        (dict(stages=[keras.layers.Dense(2)] * 2, schedule="zb"), "schedule"),
+        (dict(stages=[keras.layers.Dense(2)] * 3, mesh=Mesh((2, 2), ("data", "pipeline"))), "must have 3"),
+    ],
+)
+def test_bad_arguments_at_construction(kwargs, text):
+    with pytest.raises((ValueError, TypeError), match="Received") as info:
+        Pipeline(**kwargs)
+    assert text in str(info.value)
+
+
+def test_build_time_errors():
+    strategy = make_strategy(2)
+    with strategy.scope():
+        # Three stages do not fit a world of two.
+        with pytest.raises(ValueError, match=r"must have 3 replicas .*Received: 'pipeline' axis of size 2"):
+            keras.Sequential([keras.Input((3,)), Pipeline(_stages(3))])
+        # A stage built for another input.
+        built = keras.layers.Dense(2)
+        built.build((None, 9))
+        with pytest.raises(ValueError, match=r"stage 1 .* cannot take stage 0's output of shape \(None, 5\)"):
+            keras.Sequential([keras.Input((3,)), Pipeline([keras.layers.Dense(5), built])])
+        # A static batch that does not split into micro-batches.
+        with pytest.raises(ValueError, match="divisible into `num_micro_batches`.*Received: num_micro_batches=3"):
+            keras.Sequential([keras.Input((3,), batch_size=4), Pipeline(_stages(2), 3)])
+        with pytest.raises(ValueError, match="non-trainable weights"):
+            keras.Sequential([keras.Input((3,)), Pipeline([keras.layers.BatchNormalization(), keras.layers.Dense(2)])])
+
+
+def test_a_batch_not_divisible_at_run_time_is_an_error_not_a_hang():
+    strategy = make_strategy(2)
+    model, _ = _models(2, 3, "gpipe", strategy, post=True)
+    x, y = _data(4, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not divisible by num_micro_batches=3"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)

@@ -1,0 +1,51 @@
+"""`keras_comm.parallel.Pipeline` across real worker processes (one launch per world size).
+
+The worker (tests/workers/pipeline_worker.py) trains each configuration with
+`model.fit` and compares it with the unsplit model in its own process;
+here the files it saved are loaded into the one-process model.
+"""
+
+import keras
+import numpy as np
+import pytest
+from _cluster import run_cluster
+
+from keras_comm.parallel import Pipeline
+from keras_comm.parallel import full_weights
+
+WIDTHS = (5, 6, 4, 7)
+
+
+def _check(results, expected_configs):
+    for r in results:
+        assert sorted(r["exact"]) == sorted(expected_configs)
+        for name, e in r["exact"].items():
+            assert e["weights_rel"] <= 1e-5, (name, e)
+            assert e["loss_rel"] <= 1e-5 and e["eval_rel"] <= 1e-5, (name, e)
+            assert e["predict_rel"] <= 1e-5 and e["predict_rows"] == 2 * 2 * len(results) * int(name.split("_m")[1].split("_")[0]), (name, e)
+            # Each worker holds its own stage (plus padding to the largest), not all.
+            assert e["own_stage_bytes"] <= e["buffer_bytes"] < e["all_stage_bytes"], (name, e)
+        assert r["resume_rel"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_pipeline_on_workers(workers, tmp_path):
+    result = run_cluster("workers/pipeline_worker.py", workers, tmp_path, timeout=600).check()
+    configs = {
+        2: ["p2_m1_gpipe", "p2_m4_1f1b", "p2_m8_gpipe", "p2_m2_1f1b_post"],
+        4: ["p4_m8_1f1b", "p4_m2_gpipe", "p2x2_m2_1f1b", "p2x2_m4_gpipe"],
+    }[workers]
+    _check(result.results, configs)
+    stages = {r["rank"]: r["exact"][configs[0]]["stage"] for r in result.results}
+    assert sorted(stages.values()) == list(range(len(stages)))
+    # The chief's files load into the one-process model (all stages on one replica).
+    want = list(np.load(tmp_path / "pipe_weights.npy", allow_pickle=True))
+    p = workers
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              Pipeline([keras.layers.Dense(WIDTHS[s], activation="tanh") for s in range(p)])])
+    local.load_weights(str(tmp_path / "pipe.weights.h5"))
+    for a, b in zip(full_weights(local), want):
+        np.testing.assert_array_equal(a, b)
+    loaded = keras.saving.load_model(str(tmp_path / "pipe.keras"))
+    for a, b in zip(full_weights(loaded), want):
+        np.testing.assert_array_equal(a, b)

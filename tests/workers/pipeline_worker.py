@@ -1,0 +1,178 @@
+"""Worker: `keras_comm.parallel.Pipeline` across real worker processes.
+
+Usage: pipeline_worker.py STATE_DIR. One launch runs every check (one
+replica per worker):
+
+- exact: each configuration (CONFIGS: stages, micro-batches, schedule,
+  mesh) trains with `model.fit` and is compared (full weights, gathered)
+  with the unsplit model trained in this process without a strategy on the
+  same global batches; `evaluate` and `predict` are compared too;
+- bytes: this worker's trainable parameters (the buffer component) and its
+  own stage's size;
+- save: `save_weights` and `.keras` (the chief to STATE_DIR, others to a path
+  of their own), reloaded by the test in one process;
+- resume: fit interrupted at global step 3 with BackupAndRestore, then a
+  fresh model fits from the backup; its weights equal an uninterrupted run's.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from _cluster import write_result
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+
+import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from keras_comm import parallel as P  # noqa: E402
+
+N = strategy.num_replicas_in_sync
+RANK = int(strategy.cluster_resolver.task_id)
+CHIEF = RANK == 0
+WIDTHS = (5, 6, 4, 7)
+STEPS = 2
+
+# name: (stages, micro-batches, schedule, mesh shape (data, pipeline) or None)
+CONFIGS = {
+    2: {
+        "p2_m1_gpipe": (2, 1, "gpipe", None),
+        "p2_m4_1f1b": (2, 4, "1f1b", None),
+        "p2_m8_gpipe": (2, 8, "gpipe", None),
+        "p2_m2_1f1b_post": (2, 2, "1f1b", None),
+    },
+    4: {
+        "p4_m8_1f1b": (4, 8, "1f1b", None),
+        "p4_m2_gpipe": (4, 2, "gpipe", None),
+        "p2x2_m2_1f1b": (2, 2, "1f1b", (2, 2)),
+        "p2x2_m4_gpipe": (2, 4, "gpipe", (2, 2)),
+    },
+}[N]
+
+
+def stages(p):
+    return [keras.layers.Dense(WIDTHS[s], activation="tanh") for s in range(p)]
+
+
+def build(p, m, schedule, mesh, post=False):
+    mesh = None if mesh is None else P.Mesh(mesh, ("data", "pipeline"))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4), P.Pipeline(stages(p), m, schedule, mesh=mesh)]
+            + ([keras.layers.Dense(2)] if post else [])
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def reference(p, post, weights):
+    ref = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4)] + stages(p) + ([keras.layers.Dense(2)] if post else [])
+    )
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    ref.set_weights(weights)
+    return ref
+
+
+def data(batch, out):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * batch, 3)).astype("float32")
+    y = rng.normal(size=(STEPS * batch, out)).astype("float32")
+    return x, y
+
+
+def dataset(x, y, batch):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+def rel(expected, actual):
+    worst = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
+        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-30)))
+    return worst
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3:
+            raise RuntimeError("interrupted")
+
+
+def exact(name):
+    p, m, schedule, mesh = CONFIGS[name]
+    post = name.endswith("_post")
+    batch = 2 * N * m  # global batch
+    model = build(p, m, schedule, mesh, post)
+    ref = reference(p, post, P.full_weights(model))
+    x, y = data(batch, 2 if post else WIDTHS[p - 1])
+    h = model.fit(dataset(x, y, batch), epochs=1, verbose=0).history
+    h_ref = ref.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
+    ev = model.evaluate(dataset(x, y, batch), verbose=0, return_dict=True)
+    ev_ref = ref.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+    pred = model.predict(dataset(x, y, batch), verbose=0)
+    layer = [lay for lay in model.layers if isinstance(lay, P.Pipeline)][0]
+    (buffer,) = [v for v in model.trainable_variables if "stage_weights" in v.path]
+    stage = layer._held_stages(RANK)[0]
+    return {
+        "weights_rel": rel(ref.get_weights(), P.full_weights(model)),
+        "loss_rel": abs(h["loss"][0] - h_ref["loss"][0]) / abs(h_ref["loss"][0]),
+        "eval_rel": max(abs(ev[k] - ev_ref[k]) / abs(ev_ref[k]) for k in ("loss", "mae")),
+        "predict_rel": rel([ref.predict(x, verbose=0)], [pred]),
+        "predict_rows": int(pred.shape[0]),
+        "buffer_bytes": int(np.prod(buffer.shape)) * 4,
+        "own_stage_bytes": layer.stage_nbytes(stage),
+        "all_stage_bytes": sum(layer.stage_nbytes(s) for s in range(p)),
+        "trainable_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
+        "stage": stage,
+    }
+
+
+def own_path(state_dir, name):
+    return str(Path(state_dir) / name) if CHIEF else str(Path(tempfile.mkdtemp()) / name)
+
+
+def save_and_resume(state_dir):
+    name = next(iter(CONFIGS))
+    p, m, schedule, mesh = CONFIGS[name]
+    batch = 2 * N * m
+    x, y = data(batch, WIDTHS[p - 1])
+    x, y = np.concatenate([x] * 3), np.concatenate([y] * 3)  # 6 steps
+    straight = build(p, m, schedule, mesh)
+    start = P.full_weights(straight)
+    straight.fit(dataset(x, y, batch), epochs=1, verbose=0)
+    want = P.full_weights(straight)
+    straight.save_weights(own_path(state_dir, "pipe.weights.h5"))
+    straight.save(own_path(state_dir, "pipe.keras"))
+    np.save(own_path(state_dir, "pipe_weights.npy"), np.array(want, dtype=object), allow_pickle=True)
+
+    backup = Path(state_dir) / "backup"
+    first = build(p, m, schedule, mesh)
+    P.set_full_weights(first, start)
+    try:
+        first.fit(dataset(x, y, batch), epochs=1, verbose=0,
+                  callbacks=[Interrupt(), keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    except RuntimeError as e:
+        if "interrupted" not in str(e):
+            raise
+    again = build(p, m, schedule, mesh)  # fresh weights: the backup must restore them
+    again.fit(dataset(x, y, batch), epochs=1, verbose=0,
+              callbacks=[keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    return {"resume_rel": rel(want, P.full_weights(again))}
+
+
+def main(state_dir):
+    out = {"rank": RANK, "exact": {name: exact(name) for name in CONFIGS}}
+    out.update(save_and_resume(state_dir))
+    write_result(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
