@@ -520,6 +520,9 @@ class FullyShard(_common.ParallelLayer):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
             ny = meta["ny"]
             full = self._gather(s)  # again: the forward kept nothing
+            # Distinct tensors: an input passed twice (attention(h, h)) must
+            # get each position's own gradient, not the total twice.
+            d = [tf.identity(x) for x in d]
             with tf.GradientTape() as tape:
                 tape.watch(full)
                 tape.watch(d)
@@ -706,7 +709,7 @@ def set_full_weights(model_or_layer, values):
 
 
 def _has_weights(layer):
-    return bool(layer.weights)
+    return isinstance(layer, keras.layers.Layer) and bool(layer.weights)
 
 
 def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulation_steps=1, seed=None):
@@ -743,6 +746,8 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
                 accumulation_steps=accumulation_steps,
                 seed=seed,
             )
+        if not isinstance(layer, keras.layers.Layer):
+            return layer
         return layer.__class__.from_config(layer.get_config())
 
     try:
