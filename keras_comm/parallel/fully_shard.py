@@ -278,13 +278,6 @@ class FullyShard(_common.ParallelLayer):
 
     def _check_inner(self, inner):
         name = inner.name
-        if not inner.weights:
-            raise ValueError(
-                f"FullyShard: layer {name!r} has no weights after build, so "
-                "there is nothing to shard (a layer that creates its weights "
-                "lazily in `call` must create them in `build`). "
-                f"Received: layer={type(inner).__name__}"
-            )
         weight_ids = {id(w) for w in inner.weights}
         extra = [v for v in inner.variables if id(v) not in weight_ids]
         if extra:
@@ -293,6 +286,13 @@ class FullyShard(_common.ParallelLayer):
                 f"({extra[0].path}: a seed generator, e.g. Dropout with "
                 "rate > 0, or a metric); keep such layers outside the "
                 f"FullyShard. Received: {len(extra)} non-weight variables"
+            )
+        if not inner.weights:
+            raise ValueError(
+                f"FullyShard: layer {name!r} has no weights after build, so "
+                "there is nothing to shard (a layer that creates its weights "
+                "lazily in `call` must create them in `build`). "
+                f"Received: layer={type(inner).__name__}"
             )
         allocated = [w for w in inner.weights if not keras_api.is_uninitialized(w)]
         if allocated:
@@ -606,6 +606,11 @@ class FullyShard(_common.ParallelLayer):
                 f"Received: {len(missing)} weights missing"
             )
         self.set_full_weights([np.asarray(v) for v in values])
+
+    def get_build_config(self):
+        # Rebuilt by being called (its container calls it on the saved
+        # input specs): its build needs the call's arguments, not one shape.
+        return None
 
     def get_config(self):
         config = super().get_config()
