@@ -39,6 +39,7 @@ RUNS = {
     "pipeline": ("pipeline.py", ["--epochs", "1", "--micro-batches", "4"]),
     "halo_exchange_conv": ("halo_exchange_conv.py", ["--epochs", "1"]),
     "custom_training_loop": ("custom_training_loop.py", ["--epochs", "1"]),
+    "fully_sharded": ("fully_sharded.py", ["--epochs", "1"]),
 }
 
 # Test-set size of every example (20% of scikit-learn's 1,797 digits);

@@ -312,6 +312,93 @@ def in_symbolic_scope():
     return scope is not None and scope.in_symbolic_scope()
 
 
+# --- Fully sharded layers: weights without storage, checkpoints by structure --
+
+
+def keep_uninitialized(variables):
+    """Stops Keras from ever allocating `variables` (created uninitialised).
+
+    Variables created in a `keras.StatelessScope` are queued for
+    initialisation when the next outermost stateless scope closes (even one
+    `stateless_call` opens); `keras_comm.parallel.FullyShard` builds its
+    inner layer that way and must keep its full-size weights unallocated.
+    """
+    from keras.src.backend.common import global_state
+
+    ids = {id(v) for v in variables}
+    queued = global_state.get_global_attribute("uninitialized_variables") or []
+    global_state.set_global_attribute(
+        "uninitialized_variables", [v for v in queued if id(v) not in ids]
+    )
+
+
+def is_uninitialized(variable):
+    """True for a Keras variable that has no storage (see `keep_uninitialized`)."""
+    return isinstance(variable, keras.Variable) and variable._value is None
+
+
+def deferred_initializer(variable):
+    """The initializer an uninitialised Keras variable will be created with.
+
+    `FullyShard` computes each replica's shard from it (seeded alike on every
+    worker) instead of ever creating the full variable.
+    """
+    return variable._initializer
+
+
+def _saving_lib():
+    from keras.src.saving import saving_lib
+
+    return saving_lib
+
+
+def weights_store_path(store):
+    """The path inside the file of the layer `store` was made for.
+
+    Keras's H5 weights store is one object repositioned per layer; a
+    `FullyShard` writes its inner layer's sublayers below that path, so that
+    the file has the unwrapped model's structure.
+    """
+    path = getattr(store, "_h5_entry_path", None)
+    if path is None:
+        raise TypeError(
+            "FullyShard saves into Keras's H5 weights store (.keras, "
+            f".weights.h5). Received: store of type {type(store).__name__}"
+        )
+    return path
+
+
+def save_children(layer, store, path):
+    """Saves `layer`'s sublayers' state below `path`, as Keras's
+    `saving_lib._save_state` does after a layer's own variables."""
+    lib = _saving_lib()
+    visited = {id(layer)}
+    for attr, child in lib._walk_saveable(layer):
+        child_path = f"{path}/{attr}" if path else attr
+        if isinstance(child, _keras_saveable()):
+            lib._save_state(child, store, None, child_path, visited)
+        elif isinstance(child, (list, dict, tuple)):
+            lib._save_container_state(child, store, None, child_path, visited)
+
+
+def load_children(layer, store, path):
+    """Loads `layer`'s sublayers' state from below `path` (`save_children`'s inverse)."""
+    lib = _saving_lib()
+    visited = {id(layer)}
+    for attr, child in lib._walk_saveable(layer):
+        child_path = f"{path}/{attr}" if path else attr
+        if isinstance(child, _keras_saveable()):
+            lib._load_state(child, store, None, child_path, False, visited, None, None)
+        elif isinstance(child, (list, dict, tuple)):
+            lib._load_container_state(child, store, None, child_path, False, visited, None, None)
+
+
+def _keras_saveable():
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return KerasSaveable
+
+
 # --- What the version test guards --------------------------------------------
 
 

@@ -218,7 +218,8 @@ class ParallelOptimizer(keras.callbacks.Callback):
         full, shard = sum(layout.sizes), layout.shard_total
         itemsize = 4  # every tensor the callback holds is float32
         return {
-            "optimizer": parts["optimizer"] // (shard * itemsize) * full * itemsize,
+            # (shard is 0 when every weight has its own reduction: FullyShard)
+            "optimizer": parts["optimizer"] // (shard * itemsize) * full * itemsize if shard else 0,
             "master": full * itemsize,
             "accumulation": full * itemsize if parts["accumulation"] else 0,
         }

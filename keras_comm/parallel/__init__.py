@@ -25,6 +25,15 @@ from keras_comm.parallel.sharded import process_shards
 from keras_comm.parallel.sharded import set_full_weights
 from keras_comm.parallel.sharded import shard_nbytes
 from keras_comm.parallel.sharded import shard_spec
+# Fully sharded layers; their full_weights / set_full_weights also handle the
+# tensor-parallel weights above (they replace those two names).
+from keras_comm.parallel.flat_shard import FlatShardSpec
+from keras_comm.parallel.fully_shard import Accumulation
+from keras_comm.parallel.fully_shard import FullyShard
+from keras_comm.parallel.fully_shard import full_weights  # noqa: F811
+from keras_comm.parallel.fully_shard import fully_shard
+from keras_comm.parallel.fully_shard import replica_state_bytes
+from keras_comm.parallel.fully_shard import set_full_weights  # noqa: F811
 
 __all__ = [
     "ColumnParallelDense",
@@ -47,4 +56,9 @@ __all__ = [
     "set_full_weights",
     "shard_nbytes",
     "shard_spec",
+    "Accumulation",
+    "FlatShardSpec",
+    "FullyShard",
+    "fully_shard",
+    "replica_state_bytes",
 ]

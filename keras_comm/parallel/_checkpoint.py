@@ -53,7 +53,7 @@ def _gather(owner, pairs):
     """
     strategy = sharded._strategy_of([v for v, _ in pairs])
     if not _needs_gather(pairs, strategy):
-        return [np.asarray(v.numpy()) for v, _ in pairs]
+        return [_to_full(s, v.numpy()) for v, s in pairs]
     sharded_pairs = [(v, s) for v, s in pairs if s is not None and s.num_shards > 1]
     key = tuple(id(sharded._tf_variable(v)) for v, _ in sharded_pairs)
     cached = _GATHERS.get(owner)
@@ -77,9 +77,17 @@ def _gather(owner, pairs):
             np.asarray(strategy.experimental_local_results(t)[0]) for t in cached[1]()
         )
     return [
-        next(gathered) if s is not None and s.num_shards > 1 else np.asarray(v.numpy())
+        _to_full(s, next(gathered)) if s is not None and s.num_shards > 1 else _to_full(s, v.numpy())
         for v, s in pairs
     ]
+
+
+def _to_full(spec, value):
+    # Flat shards (keras_comm.parallel.FullyShard) gather to the padded flat
+    # vector; the file holds the unwrapped weight's shape.
+    value = np.asarray(value)
+    to_full = getattr(spec, "to_full", None)
+    return value if to_full is None else to_full(value)
 
 
 def _assign(variable, spec, value, owner_name):

@@ -183,6 +183,10 @@ class ShardedState:
             acc_size = self.layout.shard_total if accumulation_steps > 1 else 0
         else:
             acc_size = self.layout.packed_size if accumulation_steps > 1 else 0
+        if accumulation_steps > 1:
+            # A model whose weights all have their own reduction (FullyShard)
+            # has no packed buffer but still accumulates its hooked gradients.
+            acc_size = max(acc_size, 1)
         num_norms = len(self.all_variables) if dump_local_norm else 0
         self.devices = self._local_devices()
         hooked = list(zip(self.hooked_index, self.hooked))

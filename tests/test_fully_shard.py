@@ -1,0 +1,287 @@
+"""keras_comm.parallel.FullyShard (ZeRO-3) on in-process replicas.
+
+model.fit of fully sharded copies vs the unwrapped model trained in one
+process on the same global batches (tests/workers/fully_shard_worker.py,
+which also runs across real processes), the flat-shard maths, per-replica
+memory, checkpoints in the unwrapped layout, and the build-time errors.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_comm
+from keras_comm import parallel as P
+from keras_comm.parallel import flat_shard
+from conftest import make_strategy
+from workers import fully_shard_worker as cases
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout():
+    old = keras_comm.get_timeout()
+    keras_comm.set_timeout(60)
+    yield
+    keras_comm.set_timeout(old)
+
+
+def _check_fit(got):
+    for key in ("start_rel", "loss_rel", "weights_rel", "evaluate_rel", "predict_rel"):
+        assert got[key] <= cases.RTOL, (key, got)
+
+
+# --- Pure maths ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, n", [((3, 4), 2), ((3, 4), 5), ((7,), 4), ((1,), 3), ((2, 3, 5), 4)])
+def test_flat_slices_cover_the_weight_once(shape, n):
+    full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1
+    pieces = [flat_shard.slice_flat(full, n, i) for i in range(n)]
+    k = flat_shard.shard_size(full.size, n)
+    assert all(p.shape == (k,) for p in pieces)
+    gathered = np.concatenate(pieces)
+    assert np.count_nonzero(gathered[full.size :]) == 0  # padding is zeros
+    np.testing.assert_array_equal(flat_shard.unflatten(gathered, shape), full)
+    assert flat_shard.padded_size(full.size, n) - full.size < n
+
+
+def test_memory_accounting_is_one_over_n_plus_padding():
+    shapes = [(784, 1024), (1024,), (1024, 10), (10,)]
+    full = sum(np.prod(s) for s in shapes)
+    acc = flat_shard.memory_accounting(shapes, 4, slots=2)  # Adam
+    assert acc["unsharded"] == 4 * full * 4
+    assert acc["sharded"] == 4 * sum(-(-int(np.prod(s)) // 4) for s in shapes) * 4
+    assert acc["unsharded"] / 4 <= acc["sharded"] <= acc["unsharded"] / 4 + acc["padding"] + 16 * 4
+
+
+# --- Training vs the unwrapped model -------------------------------------------
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize(
+    "n, name, optimizer",
+    [
+        (2, "mlp", "adam"),
+        (4, "mlp", "sgd"),
+        (4, "cnn", "adamw"),
+        (2, "cnn", "sgd"),
+        (2, "attention", "adamw"),
+        (2, "attention", "sgd"),
+    ],
+)
+def test_fit_matches_unwrapped(n, name, optimizer):
+    got = cases.fit_case(make_strategy(n), name, optimizer=optimizer, epochs=1)
+    _check_fit(got)
+    # Every replica holds 1/n of every trainable weight (plus < n padding each).
+    layers = got["num_fully_sharded"]
+    assert got["full_elements"] / n <= got["replica_shard_elements"]
+    assert got["replica_shard_elements"] <= got["full_elements"] / n + layers * 4 * n
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("steps, accumulation", [(2, "sharded"), (4, "sharded"), (2, "local"), (4, "local")])
+def test_accumulation_modes_match_the_large_batch(steps, accumulation):
+    got = cases.fit_case(
+        make_strategy(2), "mlp", optimizer="adam", accumulation_steps=steps, accumulation=accumulation
+    )
+    _check_fit(got)
+
+
+@pytest.mark.inprocess
+def test_mixed_bfloat16_trains_close_to_the_float32_reference():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        got = cases.fit_case(make_strategy(2), "mlp", optimizer="sgd", epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # bfloat16 compute on both sides: the same maths, rounded alike.
+    assert got["weights_rel"] <= 1e-2, got
+    assert got["predict_rel"] <= 5e-2, got
+
+
+@pytest.mark.inprocess
+def test_batchnorm_statistics_as_plain_data_parallel():
+    """Moving statistics stay whole per replica, updated as without sharding."""
+    strategy = make_strategy(2)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 4).astype("float32"), rs.randn(16, 2).astype("float32")
+
+    def model():
+        return keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+        )
+
+    keras.utils.set_random_seed(0)
+    base = model()
+    initial = base.get_weights()
+    with strategy.scope():
+        plain = model()
+        plain.set_weights(initial)
+        plain.compile(keras.optimizers.SGD(0.1), "mse")
+        fs = P.fully_shard(base)
+        fs.compile(keras.optimizers.SGD(0.1), "mse")
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    fs.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert cases.rel(plain.get_weights(), P.full_weights(fs)) <= cases.RTOL
+
+
+@pytest.mark.inprocess
+def test_hybrid_mesh_shards_over_one_axis():
+    """FSDP over "data" (groups of 2) of a 2 x 2 mesh; gradients also summed over "model"."""
+    mesh = P.Mesh((2, 2), ("data", "model"))
+    got = cases.fit_case(make_strategy(4), "mlp", optimizer="adam", mesh=mesh, epochs=1)
+    _check_fit(got)
+    assert got["replica_shard_elements"] >= got["full_elements"] / 2
+
+
+# --- Memory, gradients, checkpoints ----------------------------------------------
+
+
+@pytest.mark.inprocess
+def test_state_is_one_over_n_and_gradients_leave_reduce_scattered():
+    strategy = make_strategy(4)
+    with strategy.scope():
+        layer = P.FullyShard(keras.layers.Dense(6, name="dense"))
+        model = keras.Sequential([keras.Input((5,)), layer])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    assert [tuple(w.shape) for w in model.trainable_weights] == [(8,), (2,)]  # 30/4 -> 8, 6/4 -> 2
+    full = P.full_weights(model)
+    x = np.arange(20, dtype=np.float32).reshape(4, 5) / 10
+
+    def step():
+        r = keras_comm.rank()
+        xr = tf.constant(x)[r : r + 1]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(xr) ** 2)
+        return tape.gradient(loss, model.trainable_weights)
+
+    grads = tf.function(lambda: strategy.run(step))()
+    # Reference: the gradient of the summed loss, flattened and cut in 4.
+    kernel, bias = (tf.Variable(w.astype(np.float64)) for w in full)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum((tf.constant(x, tf.float64) @ kernel + bias) ** 2)
+    expected = tape.gradient(loss, [kernel, bias])
+    for g, e in zip(grads, expected):
+        pieces = [np.asarray(p) for p in strategy.experimental_local_results(g)]
+        for i, p in enumerate(pieces):
+            np.testing.assert_allclose(p, flat_shard.slice_flat(e.numpy(), 4, i), rtol=1e-5, atol=1e-6)
+    # The shards carry their own (here: no) reduction, so nothing is summed twice.
+    hook = keras_comm.training.reduction.gradient_hook(model.trainable_weights[0])
+    assert hook is not None and hook(tf.constant(1.0)) == 1.0
+    # 1/4 of the weights and of Adam's slots on every replica.
+    with strategy.scope():
+        model.optimizer.build(model.trainable_weights)
+    state = P.replica_state_bytes(model)
+    assert len(set(state.values())) == 1
+
+
+@pytest.mark.inprocess
+def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
+    """Files hold every weight and Adam slot full-size in the unwrapped
+    layer's structure (below the wrapper's entry); any group size loads them.
+
+    (Keras 3.15 names a file's entries after the layer classes, so the
+    unwrapped model's entries are "dense", the wrapped one's "fully_shard":
+    the unwrapped model does not load the file directly; see the docs.)
+    """
+    strategy = make_strategy(2)
+    x, y = cases.data("mlp", 16)
+    keras.utils.set_random_seed(1)
+    ref = cases.mlp()
+    with strategy.scope():
+        model = P.fully_shard(ref)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    trained = P.full_weights(model)
+    model.save_weights(str(tmp_path / "fs.weights.h5"))
+    model.save(str(tmp_path / "fs.keras"))
+    import h5py
+
+    with h5py.File(str(tmp_path / "fs.weights.h5")) as f:
+        kernel = np.asarray(f["layers/fully_shard/vars/0"])
+        slots = [np.asarray(f["optimizer/vars"][k]) for k in f["optimizer/vars"]]
+    np.testing.assert_array_equal(kernel, trained[0])  # full-size, unwrapped shape
+    assert (5, 7) in [s.shape for s in slots]  # Adam's kernel moments, full-size
+    # The .keras file reloads as a fully sharded model (one process).
+    again = keras.models.load_model(str(tmp_path / "fs.keras"))
+    assert any(isinstance(l, P.FullyShard) for l in again.layers)
+    assert cases.rel(trained, P.full_weights(again)) == 0.0
+    # 2 -> 4 replicas: weights and optimizer slots.
+    with make_strategy(4).scope():
+        four = P.fully_shard(cases.mlp())
+        four.compile(keras.optimizers.Adam(0.01), "mse")
+        four.optimizer.build(four.trainable_weights)
+    four.load_weights(str(tmp_path / "fs.weights.h5"))
+    assert cases.rel(trained, P.full_weights(four)) == 0.0
+    four.save_weights(str(tmp_path / "four.weights.h5"))
+    with h5py.File(str(tmp_path / "four.weights.h5")) as f:
+        slots4 = [np.asarray(f["optimizer/vars"][k]) for k in f["optimizer/vars"]]
+    assert len(slots4) == len(slots)
+    for a, b in zip(slots, slots4):  # Adam's moments survive 2 -> 4 exactly
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_round_trips():
+    layer = P.FullyShard(keras.layers.Dense(3, name="d"), accumulation="local", accumulation_steps=2)
+    config = layer.get_config()
+    again = P.FullyShard.from_config(config)
+    assert again.get_config() == config
+    assert again.name == "d" and again.accumulation is P.Accumulation.LOCAL
+
+
+# --- Errors ----------------------------------------------------------------------
+
+
+class _NoBuild(keras.layers.Layer):
+    def call(self, x):
+        return x * 2.0
+
+
+class _IntWeight(keras.layers.Layer):
+    def build(self, shape):
+        self.w = self.add_weight(shape=(2,), dtype="int32", initializer="zeros")
+
+    def call(self, x):
+        return x
+
+
+class _WeightInInit(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.w = self.add_weight(shape=(2,), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+def test_errors_name_the_layer():
+    with pytest.raises(TypeError, match="Received: layer="):
+        P.FullyShard("dense")
+    with pytest.raises(ValueError, match="already fully sharded"):
+        P.FullyShard(P.FullyShard(keras.layers.Dense(2)))
+    with pytest.raises(ValueError, match="parallel layer"):
+        P.FullyShard(P.ColumnParallelDense(2))
+    with pytest.raises(ValueError, match="accumulation"):
+        P.FullyShard(keras.layers.Dense(2), accumulation="sometimes")
+    with pytest.raises(ValueError, match="no weights"):
+        P.FullyShard(_NoBuild(name="nob"))(keras.Input((2,)))
+    with pytest.raises(ValueError, match="'intw'.*cannot be sharded.*Received: dtype=int32"):
+        P.FullyShard(_IntWeight(name="intw"))(keras.Input((2,)))
+    with pytest.raises(ValueError, match="'winit'.*outside `build`"):
+        P.FullyShard(_WeightInInit(name="winit"))(keras.Input((2,)))
+    with pytest.raises(ValueError, match="regularizer"):
+        P.FullyShard(keras.layers.Dense(2, kernel_regularizer="l2"))(keras.Input((2,)))
+    with pytest.raises(ValueError, match="not a weight"):
+        P.FullyShard(keras.layers.Dropout(0.5, seed=1))(keras.Input((2,)))
+    with pytest.raises(ValueError, match="built Sequential or Functional"):
+        P.fully_shard(keras.Sequential([keras.layers.Dense(2)]))
+
+
+@pytest.mark.inprocess
+def test_a_mesh_that_does_not_fit_the_world_is_refused():
+    with make_strategy(2).scope():
+        with pytest.raises(ValueError, match="world size"):
+            P.FullyShard(keras.layers.Dense(2), mesh=P.Mesh((3,), ("data",)))(keras.Input((2,)))

@@ -1,0 +1,261 @@
+"""Fully sharded (ZeRO-3) scenarios, shared by in-process tests and real workers.
+
+Each scenario trains a `keras_comm.parallel.fully_shard` copy of a model
+under a strategy and the unwrapped model in this process alone (no strategy)
+on the same global batches, and returns max relative differences of the
+losses, final weights, evaluate and predict. tests/test_fully_shard.py calls
+them with logical-device strategies; run as a script (by
+tests/test_fully_shard_multiprocess.py) every worker is one replica of a real
+MultiWorkerMirroredStrategy.
+"""
+
+import os
+import tempfile
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_comm
+from keras_comm import parallel as P
+
+RTOL = 1e-5
+BATCH = 8
+
+
+def rel(expected, actual):
+    """Max over arrays of max|e - a| / max|e|; an array that stays near zero
+    (attention's key bias, whose gradient is zero up to rounding) is compared
+    absolutely: its denominator is at least 1e-2."""
+    worst = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
+        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-2)))
+    return worst
+
+
+# --- Models -----------------------------------------------------------------
+
+
+def mlp():
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(7, activation="tanh", name="d1"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(3, name="d2"),
+        ],
+        name="mlp",
+    )
+
+
+def cnn():
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(3, 3, activation="relu", name="c1"),
+            keras.layers.Flatten(),
+            keras.layers.Reshape((16, 3)),
+            keras.layers.Conv1D(2, 3, name="c2"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3, name="out"),
+        ],
+        name="cnn",
+    )
+
+
+VOCAB, SEQ, DIM = 11, 4, 6
+
+
+def attention():
+    """Embedding + MultiHeadAttention + LayerNormalization + a nested block."""
+    ids = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, DIM, name="emb")(ids)
+    a = keras.layers.MultiHeadAttention(2, 3, name="mha")(h, h)
+    h = keras.layers.LayerNormalization(name="ln")(h + a)
+    block = keras.Sequential(
+        [keras.Input((SEQ, DIM)), keras.layers.Dense(5, activation="relu", name="ff1"), keras.layers.Dense(DIM, name="ff2")],
+        name="ffn",
+    )
+    h = h + block(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    out = keras.layers.Dense(3, name="head")(h)
+    return keras.Model(ids, out, name="attention")
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "attention": attention}
+
+
+def data(name, n_samples=32):
+    rs = np.random.RandomState(0)
+    if name == "mlp":
+        x = rs.randn(n_samples, 5).astype("float32")
+    elif name == "cnn":
+        x = rs.randn(n_samples, 6, 6, 2).astype("float32")
+    else:
+        x = rs.randint(0, VOCAB, size=(n_samples, SEQ)).astype("int32")
+    y = rs.randn(n_samples, 3).astype("float32")
+    return x, y
+
+
+def _dense(optimizer_class):
+    """`optimizer_class` on dense gradients (for the single-process reference).
+
+    An embedding's gradient is an IndexedSlices, and Keras's Adam squares its
+    rows before summing duplicate ids; a sharded embedding's gradient is dense
+    (reduce-scattered), so the reference applies Adam to the dense gradient.
+    """
+
+    class Dense(optimizer_class):
+        def apply(self, grads, trainable_variables=None):
+            grads = [g if g is None else tf.convert_to_tensor(g) for g in grads]
+            return super().apply(grads, trainable_variables)
+
+    return Dense
+
+
+REFERENCE_OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: _dense(keras.optimizers.Adam)(0.01),
+    "adamw": lambda: _dense(keras.optimizers.AdamW)(0.01, weight_decay=0.05),
+}
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+}
+
+
+# --- Scenarios ----------------------------------------------------------------
+
+
+def fit_case(
+    strategy,
+    name="mlp",
+    optimizer="adam",
+    accumulation_steps=1,
+    accumulation="sharded",
+    epochs=2,
+    mesh=None,
+    save_dir=None,
+):
+    """The fully sharded copy vs the unwrapped model trained in one process.
+
+    With `accumulation_steps` > 1 the copy trains under ParallelOptimizer and
+    the reference with the same effective batch (BATCH * steps).
+    """
+    x, y = data(name)
+    keras.utils.set_random_seed(0)
+    ref = MODELS[name]()
+    ref.compile(REFERENCE_OPTIMIZERS[optimizer](), "mse")
+    initial = ref.get_weights()
+    h_ref = ref.fit(
+        x, y, batch_size=BATCH * accumulation_steps, epochs=epochs, shuffle=False, verbose=0
+    ).history["loss"]
+    keras.utils.set_random_seed(0)
+    unwrapped = MODELS[name]()
+    unwrapped.set_weights(initial)
+    with strategy.scope():
+        model = P.fully_shard(
+            unwrapped,
+            mesh=mesh,
+            accumulation=accumulation,
+            accumulation_steps=accumulation_steps if accumulation == "local" else 1,
+        )
+        model.compile(OPTIMIZERS[optimizer](), "mse")
+    callbacks = []
+    if accumulation_steps > 1:
+        callbacks = [keras_comm.callbacks.ParallelOptimizer(accumulation_steps=accumulation_steps)]
+    start_rel = rel(initial, P.full_weights(model))
+    h = model.fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks
+    ).history["loss"]
+    out = {
+        "start_rel": start_rel,
+        "loss_rel": rel([h_ref], [h]),
+        "weights_rel": rel(*_comparable(ref, P.full_weights(model), optimizer)),
+        "evaluate_rel": rel(
+            [ref.evaluate(x, y, batch_size=BATCH, verbose=0)],
+            [model.evaluate(x, y, batch_size=BATCH, verbose=0)],
+        ),
+        "predict_rel": rel(
+            [ref.predict(x, batch_size=BATCH, verbose=0)],
+            [model.predict(x, batch_size=BATCH, verbose=0)],
+        ),
+        "num_fully_sharded": sum(isinstance(l, P.FullyShard) for l in _all_layers(model)),
+    }
+    n = strategy.num_replicas_in_sync
+    shards = [w for l in _all_layers(model) if isinstance(l, P.FullyShard) for w in l.shard_variables]
+    out["shard_elements"] = sorted({int(np.prod(w.shape)) for w in shards})
+    out["full_elements"] = int(sum(np.prod(w.shape) for w in ref.trainable_weights))
+    out["replica_shard_elements"] = int(sum(np.prod(w.shape) for w in shards))
+    out["n"] = n
+    if save_dir is not None:
+        out.update(save_case(model, ref, x, y, save_dir))
+    return out
+
+
+def _comparable(ref, got, optimizer):
+    """(expected, actual) weights, without attention's key bias under Adam.
+
+    The key bias's gradient is zero in exact arithmetic (softmax ignores a
+    constant added to every score); Adam normalises the rounding noise left
+    in it into learning-rate-sized steps, so no two summation orders agree
+    on it. SGD keeps it (the noise stays noise-sized).
+    """
+    keep = [
+        i
+        for i, w in enumerate(ref.weights)
+        if optimizer == "sgd" or not w.path.endswith("key/bias")
+    ]
+    weights = ref.get_weights()
+    return [weights[i] for i in keep], [got[i] for i in keep]
+
+
+def _all_layers(model):
+    out = []
+    for layer in getattr(model, "layers", []):
+        out.append(layer)
+        out += _all_layers(layer)
+    return out
+
+
+def save_case(model, ref, x, y, save_dir):
+    """Files written by the sharded model load into the unwrapped one."""
+    is_chief = keras_comm.rank() == 0
+    path = save_dir if is_chief else tempfile.mkdtemp()
+    weights_file = os.path.join(path, "fs.weights.h5")
+    keras_file = os.path.join(path, "fs.keras")
+    model.save_weights(weights_file)
+    model.save(keras_file)
+    out = {}
+    if is_chief:
+        plain = keras.models.clone_model(ref)
+        plain.compile(keras.optimizers.Adam(0.01), "mse")
+        plain.load_weights(weights_file)
+        out["load_weights_rel"] = rel(P.full_weights(model), plain.get_weights())
+        plain2 = keras.models.clone_model(ref)
+        plain2.load_weights(keras_file)
+        out["load_keras_rel"] = rel(P.full_weights(model), plain2.get_weights())
+    return out
+
+
+def main():
+    from _cluster import write_result
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    result = {"n": n}
+    start = time.time()
+    result["fits"] = {
+        name: fit_case(strategy, name, optimizer=opt)
+        for name, opt in (("mlp", "adam"), ("cnn", "sgd"), ("attention", "adamw"))
+    }
+    result["seconds"] = time.time() - start
+    write_result(result)
+
+
+if __name__ == "__main__":
+    main()
