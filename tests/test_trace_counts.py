@@ -1,5 +1,10 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
+Also, under MultiWorkerMirroredStrategy: the previous epoch's iterator is not
+destroyed while the next epoch's first step runs (where the second epoch of
+every 2-worker fit stalled), and the call that finds the end of data runs
+nothing of the step.
+
 Every graph TensorFlow builds goes through `func_graph_from_py_func`; these
 tests record each call with the epoch it happened in. In the first epoch the
 train and test steps are traced (twice each at most: the full batch, then the
@@ -10,11 +15,13 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
+import weakref
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -83,9 +90,11 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
     return log.traces
 
 
-def _check(traces):
+def _check(traces, step="one_step_on_data"):
+    # `step`: the compiled step's name (upstream Keras's outside MWMS,
+    # keras_comm's `training.step` under it).
     first = traces[0]
-    assert any("one_step_on_data" in name for name in first), first
+    assert any(step in name for name in first), first
     later = [traces[epoch] for epoch in range(1, EPOCHS)]
     for epoch, epoch_traces in enumerate(later, start=1):
         others = [name for name in epoch_traces if name not in _PER_ITERATOR]
@@ -100,7 +109,10 @@ def test_no_retrace_after_first_epoch_single_process(monkeypatch):
 
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
-    _check(_fit_logging_traces(monkeypatch, make_strategy(num_replicas)))
+    _check(
+        _fit_logging_traces(monkeypatch, make_strategy(num_replicas)),
+        step="one_step_on_data",
+    )
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
@@ -109,3 +121,67 @@ def test_check_catches_a_function_traced_every_epoch(monkeypatch):
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
         _check(traces)
+
+
+class _IteratorLifetimes(keras.callbacks.Callback):
+    """At each epoch's first step: how many of the distributed iterators first
+    used between the first steps of the two epochs before are still alive
+    (the previous epoch's training iterator and its validation iterator)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.made = []  # iterators a batch was taken from, in first-use order
+        original = input_lib.DistributedIterator.get_next
+        made, seen = self.made, set()
+
+        def recording(iterator, *args, **kwargs):
+            if id(iterator) not in seen:
+                seen.add(id(iterator))
+                made.append(weakref.ref(iterator))
+            return original(iterator, *args, **kwargs)
+
+        monkeypatch.setattr(input_lib.DistributedIterator, "get_next", recording)
+
+    def on_train_begin(self, logs=None):
+        self.marks = []  # len(self.made) at each epoch's first step
+        self.alive = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch != 0:
+            return
+        self.marks.append(len(self.made))
+        if len(self.marks) >= 3:
+            window = self.made[self.marks[-3] : self.marks[-2]]
+            self.alive.append((sum(r() is not None for r in window), len(window)))
+
+
+def test_previous_epochs_iterators_outlive_the_next_epochs_first_step(monkeypatch):
+    # Destroying the previous epoch's distributed iterator while the new
+    # epoch's first step runs stalled every 2-worker fit's second epoch by
+    # seconds (TF's iterator destructor blocks the host, the peer waits in
+    # the step's collective). The step owner holds recent iterators instead.
+    lifetimes = _IteratorLifetimes(monkeypatch)
+    _fit_logging_traces(monkeypatch, make_strategy(2), [lifetimes])
+    assert len(lifetimes.alive) == EPOCHS - 2
+    assert all(total >= 1 for _, total in lifetimes.alive), lifetimes.alive
+    assert all(alive == total for alive, total in lifetimes.alive), lifetimes.alive
+
+
+def test_end_of_data_call_runs_nothing_of_the_step():
+    # 25 samples in batches of 6: 5 steps per epoch; with steps_per_execution
+    # 3 the second call of each epoch meets the end of data on its third
+    # step. That step must not run: before the fix its input-independent
+    # optimizer update still ran beside the failing `get_next` (iterations
+    # 6 per epoch), and Adam's bias correction moved every later step.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(25, 4)).astype("float32")
+    y = rng.integers(0, 2, size=(25,))
+    with make_strategy(2).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=3,
+        )
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
