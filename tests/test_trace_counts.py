@@ -1,9 +1,7 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
-Also, under MultiWorkerMirroredStrategy: the previous epoch's iterator is not
-destroyed while the next epoch's first step runs (where the second epoch of
-every 2-worker fit stalled), and the call that finds the end of data runs
-nothing of the step.
+Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
+runs nothing of the step (a guard for moving `next()` into the compiled step).
 
 Every graph TensorFlow builds goes through `func_graph_from_py_func`; these
 tests record each call with the epoch it happened in. In the first epoch the
@@ -15,13 +13,11 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
-import weakref
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -121,50 +117,6 @@ def test_check_catches_a_function_traced_every_epoch(monkeypatch):
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
         _check(traces)
-
-
-class _IteratorLifetimes(keras.callbacks.Callback):
-    """At each epoch's first step: how many of the distributed iterators first
-    used between the first steps of the two epochs before are still alive
-    (the previous epoch's training iterator and its validation iterator)."""
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.made = []  # iterators a batch was taken from, in first-use order
-        original = input_lib.DistributedIterator.get_next
-        made, seen = self.made, set()
-
-        def recording(iterator, *args, **kwargs):
-            if id(iterator) not in seen:
-                seen.add(id(iterator))
-                made.append(weakref.ref(iterator))
-            return original(iterator, *args, **kwargs)
-
-        monkeypatch.setattr(input_lib.DistributedIterator, "get_next", recording)
-
-    def on_train_begin(self, logs=None):
-        self.marks = []  # len(self.made) at each epoch's first step
-        self.alive = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch != 0:
-            return
-        self.marks.append(len(self.made))
-        if len(self.marks) >= 3:
-            window = self.made[self.marks[-3] : self.marks[-2]]
-            self.alive.append((sum(r() is not None for r in window), len(window)))
-
-
-def test_previous_epochs_iterators_outlive_the_next_epochs_first_step(monkeypatch):
-    # Destroying the previous epoch's distributed iterator while the new
-    # epoch's first step runs stalled every 2-worker fit's second epoch by
-    # seconds (TF's iterator destructor blocks the host, the peer waits in
-    # the step's collective). The step owner holds recent iterators instead.
-    lifetimes = _IteratorLifetimes(monkeypatch)
-    _fit_logging_traces(monkeypatch, make_strategy(2), [lifetimes])
-    assert len(lifetimes.alive) == EPOCHS - 2
-    assert all(total >= 1 for _, total in lifetimes.alive), lifetimes.alive
-    assert all(alive == total for alive, total in lifetimes.alive), lifetimes.alive
 
 
 def test_end_of_data_call_runs_nothing_of_the_step():

@@ -120,10 +120,8 @@ def make_function(model, replica_step):
 
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
-    retired = _RetiredIterators()
 
     def function(iterator):
-        retired.hold(iterator)
         outputs = None
         for _ in range(model.steps_per_execution):
             with errors.collective_errors(), watchdog.guard(site):
@@ -141,39 +139,6 @@ def make_function(model, replica_step):
         return outputs
 
     return function
-
-
-class _RetiredIterators:
-    """Keeps the iterators a step function ran on from being destroyed.
-
-    Keras replaces a fit's distributed iterator each epoch and drops the old
-    one, whose TensorFlow destructor can block the host for seconds (py-spy:
-    ``IteratorResource::~IteratorResource ... WaitForNotification``) while
-    the peer waits in the next step's collective (the end-of-data all-reduce
-    of `next()`): on 2 workers the first step of most epochs took 0.6-58 s
-    under load, and the second epoch of every run ~2.2 s more on a quieter
-    machine (issue 18). Destroying it later does not help: holding only the
-    4 most recent iterators moved the same stall to the epoch where the
-    oldest was released. So up to `KEEP` iterators are held for the life of
-    the step function (the model's `train_function`/`test_function`); Keras
-    makes 2 per epoch for training and 2 per validation, each holding its
-    prefetch buffers. Past `KEEP` the oldest is released (and may stall).
-    (Taking the batch inside the compiled step, as tf-keras does, was tried:
-    it made a Python-generator input's batches differ from run to run under
-    MWMS, tests/test_compat.py's generator flow, so the batch is still
-    pulled on the host.)
-    """
-
-    KEEP = 256
-
-    def __init__(self):
-        self._held = []
-
-    def hold(self, iterator):
-        if any(i is iterator for i in self._held):
-            return
-        self._held.append(iterator)
-        del self._held[: -self.KEEP]
 
 
 def compile_replica_call(strategy, replica_fn, what):
