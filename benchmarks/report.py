@@ -270,6 +270,7 @@ def markdown(results):
             ))
         out.append("")
     out += _fusion_section(results.get("fusion"))
+    out += _peers_section(results.get("peers"))
     plots = results.get("plots", [])
     if plots:
         out.append("## Plots")
@@ -277,6 +278,47 @@ def markdown(results):
         out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
         out.append("")
     return "\n".join(out)
+
+
+def _peers_section(peers):
+    """Keras 3 + keras_comm next to tf-keras (benchmarks/peers.py)."""
+    if not peers:
+        return []
+    out = ["## 6. model.fit next to tf-keras", ""]
+    if "error" in peers:
+        return out + [f"Failed: {peers['error']}", ""]
+    if "skipped" in peers:
+        return out + [f"Skipped: {peers['skipped']}.", ""]
+    p = peers.get("parameters", {})
+    out.append(
+        f"784-1024-1024-10 MLP, Adam, global batch {p.get('global_batch')}, {p.get('samples')} "
+        f"samples per epoch from `Dataset.cache()`, {p.get('epochs')} epochs per job; each "
+        "framework under its own MultiWorkerMirroredStrategy in its own worker processes, jobs "
+        "alternating. samples/s: median over jobs of each job's median epoch after the first "
+        "(slowest rank); ratio > 1: keras_comm faster. 'worst excess': the slowest later epoch "
+        "minus the median epoch, worst job (a stall shows here)."
+    )
+    out.append("")
+    rows = []
+    for r in peers.get("rows", []):
+        kc, tk = r.get("keras_comm", {}), r.get("tf_keras", {})
+        rows.append([
+            r["workers"], _fmt(kc.get("samples_per_s"), ".0f"), _fmt(tk.get("samples_per_s"), ".0f"),
+            _fmt(r.get("ratio"), ".3f"),
+            " ".join(_fmt(x, ".2f") for x in r.get("ratio_runs", [])),
+            _fmt(kc.get("worst_epoch_excess_s")), _fmt(tk.get("worst_epoch_excess_s")),
+            f"{kc.get('runs', 0)} / {tk.get('runs', 0)}",
+        ])
+    out.append(_table(
+        ["workers", "keras_comm samples/s", "tf-keras samples/s", "ratio (median)",
+         "ratio per round", "keras_comm worst excess s", "tf-keras worst excess s", "jobs"],
+        rows,
+    ))
+    load = peers.get("loadavg")
+    if load:
+        out.append(f"\nLoad average (1, 5, 15 min) before / after: {load[0]} / {load[1]}.")
+    out.append("")
+    return out
 
 
 def write_markdown(results, path):
@@ -485,6 +527,27 @@ def _plot_parallel_optimizer(plt, rows, n):
     return fig
 
 
+def _plot_peers(plt, rows):
+    fig, ax = plt.subplots(figsize=(PLOT_WIDTH_IN, 4.2))
+    width = 0.38
+    for k, (framework, label) in enumerate((("keras_comm", "Keras 3 + keras_comm"), ("tf_keras", "tf-keras"))):
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        ys = [r.get(framework, {}).get("samples_per_s") or 0 for r in rows]
+        runs = [r.get(framework, {}).get("samples_per_s_runs") or [y] for r, y in zip(rows, ys)]
+        err = [[y - min(v) for y, v in zip(ys, runs)], [max(v) - y for y, v in zip(ys, runs)]]
+        ax.bar(xs, ys, width, yerr=err, capsize=4, label=label)
+        for x, y, r in zip(xs, ys, rows):
+            if framework == "keras_comm" and r.get("ratio"):
+                ax.text(x + width / 2, y, f"{r['ratio']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(range(len(rows)), [f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}" for r in rows])
+    ax.set_ylabel("samples/s (higher is better)")
+    ax.set_title("model.fit, MLP under MultiWorkerMirroredStrategy\n(bars: slowest and fastest job)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(results, out_dir):
     """Writes the PNGs; returns their paths ([] without matplotlib)."""
     try:
@@ -522,6 +585,9 @@ def write_plots(results, out_dir):
         if isinstance(po, dict) and po.get("rows"):
             save(_plot_parallel_optimizer(plt, po["rows"], tr.get("parallel_optimizer_workers")),
                  "parallel_optimizer.png")
+        peers = results.get("peers", {})
+        if isinstance(peers, dict) and peers.get("rows"):
+            save(_plot_peers(plt, peers["rows"]), "peers_tf_keras.png")
     return [str(p) for p in paths]
 
 

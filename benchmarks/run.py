@@ -40,6 +40,7 @@ from benchmarks import fusion
 from benchmarks import mpi
 from benchmarks import nontrainable
 from benchmarks import pipeline
+from benchmarks import peers
 from benchmarks import report
 from benchmarks import training
 
@@ -68,6 +69,12 @@ MODES = {
         "po_configs": [None, [1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
         "fusion_counts": [8], "fusion_sizes_mb": [0.25],
     },
+}
+PEERS = {  # benchmarks/peers.py: jobs per framework and worker count, epochs per job
+    "full": {"rounds": 5, "epochs": 6, "samples": peers.SAMPLES},
+    "quick": {"rounds": 3, "epochs": 5, "samples": peers.SAMPLES},
+    # Not in smoke mode: 2 more launches would not fit the suite's time for it.
+    "smoke": None,
 }
 PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
 PO_PER_REPLICA_BATCH = 64
@@ -128,7 +135,7 @@ class _Tee:
     """Text stream: everything to the log, benchmark progress lines to the console."""
 
     def __init__(self, log, console,
-                 markers=("] [collectives", "] [fusion", "] [scaling", "] [parallel_optimizer")):
+                 markers=("] [collectives", "] [fusion", "] [scaling", "] [parallel_optimizer", "[peers")):
         self.log = log
         self.console = console
         self.markers = markers
@@ -173,6 +180,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-collectives", action="store_true", help="skip the collective benchmarks")
     parser.add_argument("--no-fusion", action="store_true", help="skip the fusion-group benchmark")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the pipeline benchmark (benchmarks/pipeline.py)")
+    parser.add_argument("--no-peers", action="store_true", help="skip model.fit next to tf-keras (peers)")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -273,6 +281,20 @@ def _family_error(job, family):
     return None
 
 
+def _run_peers(args, launch, raw_dir, env, log, say):
+    """The `peers` family (benchmarks/peers.py): skipped without tf-keras."""
+    if _version("tf-keras") is None:
+        return {"error": "tf-keras is not installed (pip install -e '.[bench]')"}
+    q = PEERS[args.mode]
+    if q is None:
+        return {"skipped": f"not run in {args.mode} mode"}
+    before = _loadavg()
+    jobs = peers.run_jobs(launch, args.params["training_workers"], q["rounds"], q["epochs"], raw_dir,
+                          env, log, say=say, samples=q["samples"], timeout=args.job_timeout)
+    return {"parameters": {**q, "global_batch": peers.GLOBAL_BATCH}, "rows": peers.summarize(jobs),
+            "loadavg": [before, _loadavg()], "jobs": jobs}
+
+
 def main(argv=None):
     args = parse_args(argv)
     p = args.params
@@ -359,6 +381,9 @@ def main(argv=None):
                 p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee,
                 **({"steps": 3, "rounds": 2} if args.mode == "quick" else {}),
             )
+        # ... tf-keras next to keras_comm, jobs alternating ...
+        if not args.no_peers and not args.no_training:
+            results["peers"] = _run_peers(args, launch, raw_dir, env, tee, say)
 
         # ... and MPI again after them.
         if run_mpi:

@@ -1,5 +1,8 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
+Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
+runs nothing of the step (a guard for moving `next()` into the compiled step).
+
 Every graph TensorFlow builds goes through `func_graph_from_py_func`; these
 tests record each call with the epoch it happened in. In the first epoch the
 train and test steps are traced (twice each at most: the full batch, then the
@@ -83,9 +86,11 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
     return log.traces
 
 
-def _check(traces):
+def _check(traces, step="one_step_on_data"):
+    # `step`: the compiled step's name (upstream Keras's outside MWMS,
+    # keras_comm's `training.step` under it).
     first = traces[0]
-    assert any("one_step_on_data" in name for name in first), first
+    assert any(step in name for name in first), first
     later = [traces[epoch] for epoch in range(1, EPOCHS)]
     for epoch, epoch_traces in enumerate(later, start=1):
         others = [name for name in epoch_traces if name not in _PER_ITERATOR]
@@ -100,7 +105,10 @@ def test_no_retrace_after_first_epoch_single_process(monkeypatch):
 
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
-    _check(_fit_logging_traces(monkeypatch, make_strategy(num_replicas)))
+    _check(
+        _fit_logging_traces(monkeypatch, make_strategy(num_replicas)),
+        step="one_step_on_data",
+    )
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
@@ -109,3 +117,23 @@ def test_check_catches_a_function_traced_every_epoch(monkeypatch):
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
         _check(traces)
+
+
+def test_end_of_data_call_runs_nothing_of_the_step():
+    # 25 samples in batches of 6: 5 steps per epoch; with steps_per_execution
+    # 3 the second call of each epoch meets the end of data on its third
+    # step. That step must not run: before the fix its input-independent
+    # optimizer update still ran beside the failing `get_next` (iterations
+    # 6 per epoch), and Adam's bias correction moved every later step.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(25, 4)).astype("float32")
+    y = rng.integers(0, 2, size=(25,))
+    with make_strategy(2).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=3,
+        )
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
