@@ -39,8 +39,8 @@ from benchmarks import collectives
 from benchmarks import fusion
 from benchmarks import mpi
 from benchmarks import nontrainable
-from benchmarks import pipeline
 from benchmarks import peers
+from benchmarks import pipeline
 from benchmarks import report
 from benchmarks import training
 
