@@ -26,6 +26,7 @@ def _check(results, expected_configs):
             # Each worker holds its own stage (plus padding to the largest), not all.
             assert e["own_stage_bytes"] <= e["buffer_bytes"] < e["all_stage_bytes"], (name, e)
         assert r["resume_rel"] <= 1e-6, r
+        assert r["resume_optimizer_rel"] <= 1e-6, r
 
 
 @pytest.mark.parametrize("workers", [2, 4])

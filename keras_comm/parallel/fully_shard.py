@@ -351,7 +351,7 @@ class FullyShard(_common.ParallelLayer):
                 trainable=True,
             )
             tf_var = keras_api.tf_variable(shard)
-            sharded._specs[id(tf_var)] = spec
+            sharded.register_spec(tf_var, spec)
             reduction.set_gradient_hook(
                 tf_var, lambda g, spec=spec: _reduce_over_other_axes(spec, g, self.name)
             )

@@ -5,6 +5,7 @@ GPipe / 1F1B schedules) and the older two-stage `PipelineStage`.
 replaces it (see docs/model_parallel.md for the migration).
 """
 
+import dataclasses
 import zlib
 
 import keras
@@ -376,6 +377,15 @@ class Pipeline(_common.ParallelLayer):
         )
         reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
         sharded.register_composite(self._buffer, self)
+        if n > 1:
+            # The buffer's optimizer slots (momentum, Adam moments) differ by
+            # stage like the buffer: saved gathered over the pipeline axis in
+            # the unsplit layout and loaded as each replica's own stage,
+            # never the chief's stage for all.
+            sharded.register_spec(
+                self._buffer,
+                _StageBufferSpec((sum(sizes),), 0, self.mesh, self.axis, n, tuple(sizes)),
+            )
         self._assign_initial_values()
         self.built = True
 
@@ -631,6 +641,33 @@ class Pipeline(_common.ParallelLayer):
             schedule=self.schedule,
         )
         return config
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageBufferSpec(sharded.ShardSpec):
+    """The stage buffer as a split weight, for checkpoints of its optimizer slots.
+
+    Replica s's buffer holds stage s's `sizes[s]` values, zero-padded to the
+    largest stage. The full value is the unsplit layout, the stages'
+    values one after another (what the buffer of a one-replica pipeline
+    holds), so a file loads on any split of the same stages.
+    """
+
+    sizes: tuple = ()
+
+    @property
+    def shard_shape(self):
+        return (max(self.sizes),)
+
+    def to_full(self, gathered):
+        width = max(self.sizes)
+        gathered = np.asarray(gathered)
+        return np.concatenate([gathered[s * width : s * width + k] for s, k in enumerate(self.sizes)])
+
+    def slice(self, full, index):
+        start = sum(self.sizes[:index])
+        own = np.asarray(full)[start : start + self.sizes[index]]
+        return np.pad(own, (0, max(self.sizes) - self.sizes[index]))
 
 
 class _Hidden:

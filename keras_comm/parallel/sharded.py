@@ -122,6 +122,18 @@ def is_sharded(variable):
     return shard_spec(variable) is not None
 
 
+def register_spec(variable, spec):
+    """Declares `variable` per replica, split as `spec` says.
+
+    For layers that create per-replica weights of their own layout
+    (`FullyShard`'s flat shards, `Pipeline`'s stage buffer): checkpoints then
+    save the variable and its optimizer slots gathered full-size and load
+    each replica's slice (`keras_comm.parallel._checkpoint`), so no replica's
+    part is lost or replaced by the chief's on resume.
+    """
+    _specs[id(_tf_variable(variable))] = spec
+
+
 def _components(variable):
     v = _tf_variable(variable)
     return list(v.values) if hasattr(v, "values") else [v]

@@ -58,14 +58,15 @@ def stages(p):
     return [keras.layers.Dense(WIDTHS[s], activation="tanh") for s in range(p)]
 
 
-def build(p, m, schedule, mesh, post=False):
+def build(p, m, schedule, mesh, post=False, optimizer=None):
     mesh = None if mesh is None else P.Mesh(mesh, ("data", "pipeline"))
+    optimizer = optimizer or (lambda: keras.optimizers.SGD(0.1))
     with strategy.scope():
         model = keras.Sequential(
             [keras.Input((3,)), keras.layers.Dense(4), P.Pipeline(stages(p), m, schedule, mesh=mesh)]
             + ([keras.layers.Dense(2)] if post else [])
         )
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
     return model
 
 
@@ -145,7 +146,10 @@ def save_and_resume(state_dir):
     batch = 2 * N * m
     x, y = data(batch, WIDTHS[p - 1])
     x, y = np.concatenate([x] * 3), np.concatenate([y] * 3)  # 6 steps
-    straight = build(p, m, schedule, mesh)
+    # Adam: the stage buffer's moments differ by stage and must come back
+    # per stage too (with SGD a resume that dropped them would still pass).
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    straight = build(p, m, schedule, mesh, optimizer=adam)
     start = P.full_weights(straight)
     straight.fit(dataset(x, y, batch), epochs=1, verbose=0)
     want = P.full_weights(straight)
@@ -154,7 +158,7 @@ def save_and_resume(state_dir):
     np.save(own_path(state_dir, "pipe_weights.npy"), np.array(want, dtype=object), allow_pickle=True)
 
     backup = Path(state_dir) / "backup"
-    first = build(p, m, schedule, mesh)
+    first = build(p, m, schedule, mesh, optimizer=adam)
     P.set_full_weights(first, start)
     try:
         first.fit(dataset(x, y, batch), epochs=1, verbose=0,
@@ -162,10 +166,16 @@ def save_and_resume(state_dir):
     except RuntimeError as e:
         if "interrupted" not in str(e):
             raise
-    again = build(p, m, schedule, mesh)  # fresh weights: the backup must restore them
+    again = build(p, m, schedule, mesh, optimizer=adam)  # fresh weights: the backup must restore them
     again.fit(dataset(x, y, batch), epochs=1, verbose=0,
               callbacks=[keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
-    return {"resume_rel": rel(want, P.full_weights(again))}
+    return {
+        "resume_rel": rel(want, P.full_weights(again)),
+        "resume_optimizer_rel": rel(
+            [np.asarray(v) for v in straight.optimizer.variables],
+            [np.asarray(v) for v in again.optimizer.variables],
+        ),
+    }
 
 
 def main(state_dir):
