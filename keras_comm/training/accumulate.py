@@ -17,7 +17,10 @@ The replica steps `ParallelOptimizer` compiles through
    optimizer maths on this replica's shard of the masters. No collectives.
 5. The full weights back on every replica (one all-gather when sharded).
 
-State (masters, slots, buffers) lives in `sharded_state.ShardedState`.
+State (masters, slots, buffers) lives in `sharded_state.ShardedState`; the
+masters are filled at step 2 and released by the host after the update, and
+`ExternalSlots` serves the (released) user optimizer's slots to
+checkpoints.
 Collectives are keras_comm primitives named ``parallel_optimizer_*`` (tests
 count them in the traced graphs). Per update: zero_stage 0 one all-reduce of
 the packed gradient; zero_stage 1 one reduce-scatter plus one all-gather
@@ -26,13 +29,17 @@ micro-step plus one all-gather per update. Loss scaling with a sharded
 gradient adds one scalar all-reduce (the global "all finite" flag).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm.training import sharding
 from keras_comm.ops import _collective
 from keras_comm.training import replicated
+from keras_comm.training import sharded_state
+from keras_comm.training import step
 from keras_comm.training.sharded_state import ShardedState
+from keras_comm.training.sharded_state import fill
 from keras_comm.training.sharded_state import local_variable
 from keras_comm.training.sharded_state import prod
 
@@ -112,6 +119,8 @@ class AccumulateStep:
 
     def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
         self.state = ShardedState(model, zero_stage, accumulation_steps, dump_local_norm)
+        # The `ExternalSlots` serving checkpoints once the state owns the slots.
+        self.external = None
 
     def matches(self, *args):
         """Whether this step's state can serve a new fit (see `ShardedState.matches`)."""
@@ -210,14 +219,14 @@ class AccumulateStep:
                 total = contribution
             shard_index = call.replica.rank if s.num_shards > 1 else 0
             grads = sharding.split_shards(total * scale, s.layout)
-            # 2. Masters from the current weights.
+            # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
                 replica.masters,
                 sharding.local_shards(
                     [v.value for v in s.variables], s.layout, shard_index, tf.float32
                 ),
             ):
-                master.assign(piece)
+                fill(local_variable(master), piece)
         # Variables with their own reduction: each through its hook, whole.
         if s.hooked:
             pieces = tf.split(hooked_contribution, [prod(v.shape) for v in s.hooked])
@@ -226,8 +235,9 @@ class AccumulateStep:
             ):
                 reduced = hook(tf.reshape(piece, v.shape))
                 grads.append(tf.reshape(tf.cast(reduced, tf.float32), [-1]) * scale)
-                master.assign(
-                    tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1])
+                fill(
+                    local_variable(master),
+                    tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1]),
                 )
         # 3. The optimizer update, on this replica's shard.
         if s.lso is not None:
@@ -277,34 +287,12 @@ class AccumulateStep:
         grow_loss_scale(self.state.lso)
         return tf.constant(True)
 
-    # --- checkpoint container ---------------------------------------------
-
-    def gather_slots(self):
-        """Writes every replica's slot shards into the user's full-size slots.
-
-        One all-gather (zero_stage >= 1 with several replicas); identical
-        full values on every replica afterwards. Slots of hooked variables
-        are copied whole, each replica its own.
-        """
-        s = self.state
-        sharded, whole = s.slot_pairs[s.current_index()]
-        if sharded:
-            local = tf.concat([tf.cast(slot.value, tf.float32) for slot, _, _ in sharded], 0)
-            call = self._call()
-            if s.num_shards > 1 and not call.trivial:
-                packed = _collective.run(lambda: _collective.all_gather(local, call))
-            else:
-                packed = local
-            full = sharding.unpack(packed, s.slot_layout, [u.shape for _, u, _ in sharded])
-            for (_, user, _), value in zip(sharded, full):
-                local_variable(user).assign(tf.cast(value, user.dtype))
-        for slot, user, _ in whole:
-            local_variable(user).assign(tf.cast(tf.reshape(slot.value, user.shape), user.dtype))
-        return tf.constant(0)
+    # --- the optimizer's slots -------------------------------------------
 
     def reshard_slots(self):
         """Cuts this replica's slot shards out of the user's full-size slots
-        (the inverse of `gather_slots`; no communication)."""
+        (before the state owns them: a fresh model, or one loaded by Keras
+        before this step existed; no communication)."""
         s = self.state
         sharded, whole = s.slot_pairs[s.current_index()]
         shard_index = self._call().replica.rank if s.num_shards > 1 else 0
@@ -320,6 +308,103 @@ class AccumulateStep:
         for slot, user, _ in whole:
             slot.assign(tf.cast(tf.reshape(local_variable(user).read_value(), [-1]), slot.dtype))
         return tf.constant(0)
+
+    def gather_slot(self, k):
+        """The full value of sharded slot pair `k` (one all-gather of its shards)."""
+        s = self.state
+        slot, user, i = s.slot_pairs[s.current_index()][0][k]
+        local = tf.cast(slot.value, tf.float32)
+        call = self._call()
+        if s.num_shards > 1 and not call.trivial:
+            local = _collective.run(lambda: _collective.all_gather(local, call))
+        layout = sharding.Layout((prod(user.shape),), s.num_shards)
+        return tf.cast(sharding.unpack(local, layout, [user.shape])[0], user.dtype)
+
+    def replica_rank(self):
+        return tf.constant(self._call().replica.rank if self.state.num_shards > 1 else 0)
+
+
+class ExternalSlots:
+    """The user optimizer's released slots, for `keras_comm.parallel._checkpoint`.
+
+    A save asks `value` for each released slot: the clone's shards of that
+    one variable, all-gathered (a collective: every worker saves, as with any
+    MultiWorkerMirroredStrategy checkpoint), so the transient is one slot's
+    full size. A load hands `assign` the file's full value; each local
+    replica keeps its shard of it, whatever the worker count that saved it.
+
+    Args:
+        engine: the `AccumulateStep` whose state owns the slots.
+    """
+
+    def __init__(self, engine):
+        s = engine.state
+        self.engine = engine
+        self._index = {id(user): k for k, user in enumerate(s.user_slots())}
+        self._gathers = {}
+        self._ranks = None
+
+    def owns(self, variable):
+        return id(variable) in self._index
+
+    def _strategy(self):
+        return self.engine.state.strategy
+
+    def value(self, variable):
+        k = self._index[id(variable)]
+        fn = self._gathers.get(k)
+        if fn is None:
+            fn = step.compile_replica_call(
+                self._strategy(),
+                lambda: self.engine.gather_slot(k),
+                "ParallelOptimizer's checkpoint gather",
+            )
+            self._gathers[k] = fn
+        return np.asarray(self._strategy().experimental_local_results(fn())[0])
+
+    def ranks(self):
+        if self._ranks is None:
+            fn = step.compile_replica_call(
+                self._strategy(), self.engine.replica_rank, "ParallelOptimizer's replica ranks"
+            )
+            self._ranks = [int(r) for r in self._strategy().experimental_local_results(fn())]
+        return self._ranks
+
+    def restore_user_slots(self):
+        """Gives the user's released slots their full values back and stops
+        serving them (host side; a collective per slot). For a new state
+        replacing this one, which cuts its shards from them."""
+        from keras_comm.parallel import _checkpoint  # keras_comm.parallel imports training
+
+        s = self.engine.state
+        for user in s.user_slots():
+            value = self.value(user)
+            for component in sharded_state.local_components(user):
+                with tf.device(component.device):
+                    fill(component, tf.constant(value))
+        for opt in sharded_state.user_optimizers(s.optimizer):
+            if opt is not None:
+                _checkpoint.register_external_slots(opt, None)
+        s.owns_slots = False
+        self.engine.external = None
+
+    def assign(self, variable, value):
+        s = self.engine.state
+        k = self._index[id(variable)]
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"Optimizer slot {variable.path!r} has shape {tuple(variable.shape)} and "
+                "the file must hold a value of that shape. Received: value of shape "
+                f"{tuple(value.shape)}"
+            )
+        layout = sharding.Layout((value.size,), s.num_shards)
+        flat = tf.constant(value.reshape(-1), tf.float32)
+        for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.ranks()):
+            slot = pairs[0][k][0]
+            with tf.device(replica.device):
+                piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
+                slot.assign(tf.cast(piece, slot.dtype))
 
 
 def _write(v, value):
