@@ -187,6 +187,87 @@ def summarize(ranks):
     return row
 
 
+LABELS = {
+    "plain": "plain fit",
+    "zero0": "ZeRO-0",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero1_acc2": "ZeRO-1, accum. 2",
+    "zero2_acc2": "ZeRO-2, accum. 2",
+}
+
+
+def _label(config):
+    return LABELS.get(config, config)
+
+
+def markdown_section(memory):
+    """The report's memory section (a list of Markdown lines)."""
+    if not memory:
+        return []
+    out = ["## 6. Memory: peak RSS per worker", ""]
+    out.append(
+        "Peak resident memory (`ru_maxrss`) of each worker process over building the model "
+        "(Adam, mse) and a few `fit` steps; one fresh launch per row, the largest rank's figure. "
+        "\"state MiB\" is what `ParallelOptimizer.state_bytes()` says a replica holds "
+        "(slots + float32 masters while an update runs + accumulation buffers)."
+    )
+    out.append("")
+    rows = memory.get("rows", [])
+    groups = sorted({(r["model"], r["params"], r["workers"]) for r in rows},
+                    key=lambda g: (g[1], g[2]))
+    for model, params, n in groups:
+        group = [r for r in rows if (r["model"], r["workers"]) == (model, n)]
+        plain = next((r["peak_rss_mib"] for r in group if r["config"] == "plain"), None)
+        out.append(f"### {model} ({params / 1e6:.1f}M parameters), {n} workers")
+        out.append("")
+        table = []
+        for r in group:
+            state = r.get("state_bytes")
+            table.append("| " + " | ".join([
+                _label(r["config"]),
+                f"{r['peak_rss_mib']:.0f}",
+                " / ".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"]),
+                f"{r['peak_rss_mib'] - plain:+.0f}" if plain is not None else "–",
+                f"{r['after_build_mib']:.0f}",
+                f"{sum(state.values()) / MIB:.0f}" if state else "–",
+            ]) + " |")
+        out.append("| configuration | peak RSS MiB | per rank | vs plain fit | after build MiB "
+                   "| state MiB / replica |")
+        out.append("|---|---|---|---|---|---|")
+        out += table
+        out.append("")
+    for error in memory.get("errors", []):
+        out.append(f"Failed: {error}")
+        out.append("")
+    return out
+
+
+def plot(plt, rows):
+    """Bars of peak RSS per worker, one panel per (model, workers)."""
+    groups = sorted({(r["model"], r["params"], r["workers"]) for r in rows},
+                    key=lambda g: (g[1], g[2]))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8.0, 2.8 * len(groups) + 0.6),
+                             squeeze=False)
+    for ax, (model, params, n) in zip(axes[:, 0], groups):
+        group = [r for r in rows if (r["model"], r["workers"]) == (model, n)]
+        idx = list(range(len(group)))
+        ax.bar(idx, [r["peak_rss_mib"] for r in group], color="tab:blue", label="peak RSS")
+        ax.bar(idx, [r["after_build_mib"] for r in group], color="tab:gray", alpha=0.6,
+               label="after building the model")
+        for i, r in enumerate(group):
+            ax.text(i, r["peak_rss_mib"], f"{r['peak_rss_mib']:.0f}", ha="center", va="bottom",
+                    fontsize=10)
+        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n") for r in group])
+        ax.set_ylabel("MiB per worker")
+        ax.set_title(f"{model} ({params / 1e6:.0f}M parameters, Adam), {n} workers")
+        ax.set_ylim(0, max(r["peak_rss_mib"] for r in group) * 1.35)
+    axes[0, 0].legend(loc="upper left", ncol=2)
+    fig.suptitle("Peak resident memory per worker (lower is better)")
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, choices=sorted(CONFIGS))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import _stats
+from benchmarks import memory
 
 TARGET_RATIO = 1.05
 
@@ -270,6 +271,7 @@ def markdown(results):
             ))
         out.append("")
     out += _fusion_section(results.get("fusion"))
+    out += memory.markdown_section(results.get("memory"))
     plots = results.get("plots", [])
     if plots:
         out.append("## Plots")
@@ -511,6 +513,8 @@ def write_plots(results, out_dir):
         if isinstance(po, dict) and po.get("rows"):
             save(_plot_parallel_optimizer(plt, po["rows"], tr.get("parallel_optimizer_workers")),
                  "parallel_optimizer.png")
+        if (results.get("memory") or {}).get("rows"):
+            save(memory.plot(plt, results["memory"]["rows"]), "memory.png")
     return [str(p) for p in paths]
 
 

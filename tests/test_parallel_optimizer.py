@@ -124,6 +124,19 @@ def test_matches_single_process(name, acc, zero):
         assert po.state_bytes(breakdown=True) == po.unsharded_state_bytes()
 
 
+@pytest.mark.parametrize("acc,zero", [(1, 0), (2, 0), (1, 1), (2, 1), (2, 2)])
+def test_buckets_match_single_process(acc, zero, monkeypatch):
+    # Collectives per bucket of at most 16 elements: the variables (20, 4,
+    # 12, 3 elements) travel as [20], [4, 12], [3]; the result is unchanged.
+    from keras_comm.training import sharding
+
+    monkeypatch.setattr(sharding, "BUCKET_ELEMENTS", 16)
+    x, y = _data(32)
+    model, po = _parallel("adam", x, y, accumulation_steps=acc, zero_stage=zero)
+    assert len(po._engine.state.buckets) == 3
+    assert _max_rel(model.get_weights(), _reference("adam", acc, x, y)) <= RTOL
+
+
 @pytest.mark.parametrize("unknown_length", [False, True], ids=["known", "unknown"])
 def test_partial_window_at_epoch_end(unknown_length):
     # 7 micro-batches per epoch, windows of 4: updates on 4 then 3 micro-batches,

@@ -146,7 +146,7 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat = self._contribution(grads)
+        packed, flat = self._contribution(grads, accumulate=replica.acc is not None)
         if replica.acc is not None:
             packed = replica.acc.read_value() + packed
         if replica.hooked_acc is not None:
@@ -181,44 +181,76 @@ class AccumulateStep:
                 tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in grads])
             )
 
-    def _contribution(self, grads):
+    def _contribution(self, grads, accumulate=True):
         """What one micro-batch adds to the accumulation buffers:
-        ``(plain or None, hooked or None)``."""
+        ``(plain or None, hooked or None)``.
+
+        Plain gradients are packed shard-major (`sharding.pack`) when they go
+        into a buffer; zero_stage 2 reduce-scatters them at once, bucket by
+        bucket. With nothing to accumulate into (`accumulate=False`, no
+        buffer) zero_stage 0/1 return the list of gradients, which `_update`
+        packs one bucket at a time: no full-size packed copy.
+        """
         s = self.state
         plain = [grads[i] for i in s.plain_index]
         hooked = [grads[i] for i in s.hooked_index]
         packed = None
         if plain:
-            packed = sharding.pack(plain, s.layout, tf.float32)
             if s.zero_stage == 2:
-                packed = self._reduce_scatter(packed)
+                packed = tf.concat(
+                    [self._reduce_scatter(self._bucket(plain, b)) for b in s.buckets], 0
+                )
+            elif accumulate:
+                packed = sharding.pack(plain, s.layout, tf.float32)
+            else:
+                packed = plain
         flat = None
         if hooked:
             flat = tf.concat([tf.reshape(g, [-1]) for g in hooked], 0)
         return packed, flat
+
+    def _bucket(self, contribution, bucket):
+        """Bucket `bucket`'s packed gradient: from the list of gradients, or
+        columns of the full packed ``[N * S]`` buffer (an accumulation)."""
+        s = self.state
+        lo, hi = bucket
+        sub = s.layout.sub(lo, hi)
+        if isinstance(contribution, list):
+            return sharding.pack(contribution[lo:hi], sub, tf.float32)
+        if (lo, hi) == (0, len(s.layout.sizes)):
+            return contribution
+        start = sum(s.layout.shard_sizes[:lo])
+        rows = tf.reshape(contribution, [s.num_shards, s.layout.shard_total])
+        return tf.reshape(rows[:, start:start + sub.shard_total], [sub.packed_size])
 
     def _update(self, replica, contribution, hooked_contribution):
         s = self.state
         call = self._call()
         for acc, c in ((replica.acc, contribution), (replica.hooked_acc, hooked_contribution)):
             if acc is not None:
-                with tf.control_dependencies([c]):
+                with tf.control_dependencies(c if isinstance(c, list) else [c]):
                     acc.assign(tf.zeros_like(acc))
         scale = replica.scale.read_value()
         grads = []
         if s.variables:
-            # 1. The summed gradient, this replica's shard of it.
-            if s.zero_stage == 0:
-                if call.trivial:
-                    total = contribution
-                else:
-                    total = _collective.run(lambda: _collective.all_reduce(contribution, call))
-            elif s.zero_stage == 1:
-                total = self._reduce_scatter(contribution)
+            # 1. This replica's shard of the summed gradient, bucket by bucket
+            # (the transient is a bucket's, not the model's): all-reduce
+            # (zero_stage 0), reduce-scatter (1) or already reduced (2).
+            if s.zero_stage == 2:
+                grads = sharding.split_shards(contribution * scale, s.layout)
             else:
-                total = contribution
+                for bucket in s.buckets:
+                    packed = self._bucket(contribution, bucket)
+                    if s.zero_stage == 1:
+                        total = self._reduce_scatter(packed)
+                    elif call.trivial:
+                        total = packed
+                    else:
+                        total = _collective.run(
+                            lambda packed=packed: _collective.all_reduce(packed, call)
+                        )
+                    grads += sharding.split_shards(total * scale, s.layout.sub(*bucket))
             shard_index = call.replica.rank if s.num_shards > 1 else 0
-            grads = sharding.split_shards(total * scale, s.layout)
             # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
                 replica.masters,
@@ -258,16 +290,20 @@ class AccumulateStep:
         # 4. Full weights back on every replica.
         if s.variables:
             if s.num_shards > 1:
-                shards = tf.concat([m.value for m in replica.masters], 0)
-                gathered = _collective.run(lambda: _collective.all_gather(shards, call))
-                new = sharding.unpack(gathered, s.layout, [v.shape for v in s.variables])
+                # One all-gather per bucket, each written back at once.
+                for lo, hi in s.buckets:
+                    shards = tf.concat([m.value for m in replica.masters[lo:hi]], 0)
+                    gathered = _collective.run(
+                        lambda shards=shards: _collective.all_gather(shards, call)
+                    )
+                    new = sharding.unpack(
+                        gathered, s.layout.sub(lo, hi), [v.shape for v in s.variables[lo:hi]]
+                    )
+                    for v, value in zip(s.variables[lo:hi], new):
+                        _write(v, value)
             else:
-                new = [
-                    tf.reshape(m.value, v.shape)
-                    for m, v in zip(replica.masters, s.variables)
-                ]
-            for v, value in zip(s.variables, new):
-                _write(v, value)
+                for m, v in zip(replica.masters, s.variables):
+                    _write(v, tf.reshape(m.value, v.shape))
         for v, m in zip(s.hooked, replica.hooked_masters):
             _write(v, tf.reshape(m.value, v.shape))
 

@@ -224,6 +224,7 @@ class ShardedState:
         self.layout = sharding.Layout(
             tuple(prod(v.shape) for v in self.variables), self.num_shards
         )
+        self.buckets = sharding.buckets(self.layout)
         self.optimizer = model.optimizer
         self.lso, self.user_inner = user_optimizers(model.optimizer)
         inner = self.user_inner
