@@ -311,9 +311,6 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 if accumulating
                 else None
             ),
-            "reshard": step.compile_replica_call(
-                strategy, engine.reshard_slots, "ParallelOptimizer's reshard"
-            ),
         }
         self._original_train_function = model.train_function
         model.train_function = self._train_function
@@ -381,8 +378,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         """The callback's slots become the optimizer state (first step of a fit)."""
         state = self._engine.state
         if not state.owns_slots:
-            self._functions["reshard"]()
-            state.release_user_slots()
+            self._engine.take_user_slots()
         # Imported here: keras_comm.parallel imports keras_comm.training.
         from keras_comm.parallel import _checkpoint
 

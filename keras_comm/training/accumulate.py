@@ -325,25 +325,43 @@ class AccumulateStep:
 
     # --- the optimizer's slots -------------------------------------------
 
-    def reshard_slots(self):
-        """Cuts this replica's slot shards out of the user's full-size slots
-        (before the state owns them: a fresh model, or one loaded by Keras
-        before this step existed; no communication)."""
+    def take_user_slots(self):
+        """Host side, at a fit's first step while the user's slots hold the
+        state (a fresh model, or one Keras loaded): each replica's slots get
+        their shard of the user's, and each user slot is released as soon as
+        it is cut, so the two never coexist beyond one slot. No collectives."""
         s = self.state
-        sharded, whole = s.slot_pairs[s.current_index()]
-        shard_index = self._call().replica.rank if s.num_shards > 1 else 0
-        if sharded:
-            pieces = sharding.local_shards(
-                [local_variable(u).read_value() for _, u, _ in sharded],
-                s.slot_layout,
-                shard_index,
-                tf.float32,
+        ranks = self.ranks()
+        for k, user in enumerate(s.user_slots()):
+            components = sharded_state.local_components(user)
+            layout = sharding.Layout((prod(user.shape),), s.num_shards)
+            for r, replica in enumerate(s.replicas):
+                slot = s.slot_pairs[r][0][k][0]
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    piece = sharding.local_shards(
+                        [component.read_value()], layout, ranks[r], tf.float32
+                    )[0]
+                    fill(local_variable(slot), piece)
+            sharded_state.release(user)
+        for r, replica in enumerate(s.replicas):
+            for slot, user, _ in s.slot_pairs[r][1]:
+                components = sharded_state.local_components(user)
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
+        s.owns_slots = True
+
+    def ranks(self):
+        """The shard index of each local replica (host side, cached)."""
+        if getattr(self, "_ranks", None) is None:
+            fn = step.compile_replica_call(
+                self.state.strategy, self.replica_rank, "ParallelOptimizer's replica ranks"
             )
-            for (slot, _, _), piece in zip(sharded, pieces):
-                slot.assign(tf.cast(piece, slot.dtype))
-        for slot, user, _ in whole:
-            slot.assign(tf.cast(tf.reshape(local_variable(user).read_value(), [-1]), slot.dtype))
-        return tf.constant(0)
+            self._ranks = [
+                int(r) for r in self.state.strategy.experimental_local_results(fn())
+            ]
+        return self._ranks
 
     def gather_slot(self, k):
         """The full value of sharded slot pair `k` (one all-gather of its shards)."""
@@ -378,7 +396,6 @@ class ExternalSlots:
         self.engine = engine
         self._index = {id(user): k for k, user in enumerate(s.user_slots())}
         self._gathers = {}
-        self._ranks = None
 
     def owns(self, variable):
         return id(variable) in self._index
@@ -397,14 +414,6 @@ class ExternalSlots:
             )
             self._gathers[k] = fn
         return np.asarray(self._strategy().experimental_local_results(fn())[0])
-
-    def ranks(self):
-        if self._ranks is None:
-            fn = step.compile_replica_call(
-                self._strategy(), self.engine.replica_rank, "ParallelOptimizer's replica ranks"
-            )
-            self._ranks = [int(r) for r in self._strategy().experimental_local_results(fn())]
-        return self._ranks
 
     def restore_user_slots(self):
         """Gives the user's released slots their full values back and stops
@@ -436,11 +445,11 @@ class ExternalSlots:
             )
         layout = sharding.Layout((value.size,), s.num_shards)
         flat = tf.constant(value.reshape(-1), tf.float32)
-        for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.ranks()):
+        for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.engine.ranks()):
             slot = pairs[0][k][0]
             with tf.device(replica.device):
                 piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
-                slot.assign(tf.cast(piece, slot.dtype))
+                fill(local_variable(slot), piece)
 
 
 def _write(v, value):

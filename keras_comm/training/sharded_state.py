@@ -33,7 +33,8 @@ else of the optimizer:
 
 * the user optimizer's full-size slots of the plain variables are
   *released* (their buffers replaced by empty ones, `release`) once this
-  state holds their values (`reshard_slots` at the first step), and stay
+  state holds their values (`AccumulateStep.take_user_slots` at the first
+  step, one slot at a time), and stay
   released while this state lives: the clone's slots are the optimizer
   state. A save still writes standard Keras files: `keras_comm.parallel.
   _checkpoint` asks this state (`ExternalSlots`) for each released slot's
@@ -167,6 +168,10 @@ class ReplicaState:
             # Set by the host before an update: 1/k for a mean over k micro-batches.
             self.scale = tf.Variable(1.0, trainable=False)
         self.release_masters()
+        # Filled from the user's slots (or a checkpoint) when the state takes
+        # the slots over; until then they hold no memory.
+        for v in self.slot_variables():
+            release(v)
 
     def release_masters(self):
         """Host side, after an update: the masters' memory back to the allocator."""
@@ -357,12 +362,6 @@ class ShardedState:
     def user_slots(self):
         """The user optimizer's slots that this state shards (and releases)."""
         return [user for _, user, _ in self.slot_pairs[0][0]]
-
-    def release_user_slots(self):
-        """Host side, once the clone's slots hold the state: frees the user's."""
-        for user in self.user_slots():
-            release(user)
-        self.owns_slots = True
 
     def release_masters(self):
         for r in self.replicas:
