@@ -342,7 +342,9 @@ class AccumulateStep:
                     piece = sharding.local_shards(
                         [component.read_value()], layout, ranks[r], tf.float32
                     )[0]
-                    fill(local_variable(slot), piece)
+                    # A copy: the slice shares the full slot's buffer, which
+                    # would stay alive through it after the release.
+                    fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))
             sharded_state.release(user)
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
@@ -449,7 +451,7 @@ class ExternalSlots:
             slot = pairs[0][k][0]
             with tf.device(replica.device):
                 piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
-                fill(local_variable(slot), piece)
+                fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))  # not a view of `flat`
 
 
 def _write(v, value):
