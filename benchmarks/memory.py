@@ -98,6 +98,16 @@ def _current_rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _anonymous_rss_bytes():
+    # The heap without the libraries' file pages (which memory pressure from
+    # other processes can evict); TensorFlow's allocator keeps its peak.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def measure(config, model, steps, per_replica_batch):
     """Worker side: one configuration in this (fresh) process."""
     import numpy as np
@@ -135,6 +145,7 @@ def measure(config, model, steps, per_replica_batch):
         "peak_rss_after_build": built,
         "peak_rss": _maxrss_bytes(),
         "rss_after_fit": _current_rss_bytes(),
+        "rss_anon_after_fit": _anonymous_rss_bytes(),
         "fit_seconds": seconds,
     }
     for cb in callbacks:
@@ -182,6 +193,8 @@ def summarize(ranks):
     row["peak_rss_mib_per_rank"] = [r["peak_rss"] / MIB for r in ranks]
     row["after_build_mib"] = max(r["peak_rss_after_build"] for r in ranks) / MIB
     row["fit_seconds"] = max(r["fit_seconds"] for r in ranks)
+    if all(r.get("rss_anon_after_fit") for r in ranks):
+        row["anon_after_fit_mib"] = max(r["rss_anon_after_fit"] for r in ranks) / MIB
     if "state_bytes" in first:
         row["state_bytes"] = first["state_bytes"]
     return row

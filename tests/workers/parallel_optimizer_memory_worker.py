@@ -31,6 +31,18 @@ def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def anonymous():
+    """Resident anonymous memory (RssAnon): the heap, without the shared
+    libraries' file pages, which the kernel drops and re-reads under memory
+    pressure from other processes. TensorFlow's CPU allocator keeps what it
+    once took, so after `fit` this is the peak of the heap."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
 def main(name, zero):
     n = strategy.num_replicas_in_sync
     keras.utils.set_random_seed(0)
@@ -52,6 +64,7 @@ def main(name, zero):
     write_result({
         "rank": int(strategy.cluster_resolver.task_id),
         "peak": peak(),
+        "anonymous": anonymous(),
         "built": built,
         "state": po.state_bytes(breakdown=True),
         "weights": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
