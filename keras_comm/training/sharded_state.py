@@ -208,7 +208,7 @@ class ShardedState:
 
     Raises:
         ValueError: if an optimizer slot has no same-size counterpart among
-            the user optimizer's slots (the checkpoint container).
+            the user optimizer's slots (checkpoints are written in their names).
     """
 
     def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
