@@ -373,6 +373,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         # Only reached with pending micro-batches when the epoch length is
         # unknown (otherwise its last step applied them).
         self._flush()
+        self._sync()  # for savers at the epoch end
 
     def _take_slots(self):
         """The callback's slots become the optimizer state (first step of a fit)."""
@@ -398,10 +399,18 @@ class ParallelOptimizer(keras.callbacks.Callback):
             self.counts["updates"] += 1
 
     def _prepare_checkpoint(self):
-        return not self._pending
+        if self._pending:
+            return False
+        self._sync()
+        return True
+
+    def _sync(self):
+        if self._engine is not None and self._engine.state.owns_slots:
+            self._engine.sync_hooked_slots()
 
     def on_train_end(self, logs=None):
         self._flush()
+        self._sync()
         if self.model is not None and self._functions is not None:
             self.model.train_function = self._original_train_function
         if self.model is not None and _ACTIVE.get(self.model) is self:

@@ -354,6 +354,17 @@ class AccumulateStep:
                     fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
         s.owns_slots = True
 
+    def sync_hooked_slots(self):
+        """Host side: the user's slots of hooked variables (not released, saved
+        as they are) get the callback's whole slots, before a save."""
+        s = self.state
+        for r, replica in enumerate(s.replicas):
+            for slot, user, _ in s.slot_pairs[r][1]:
+                components = sharded_state.local_components(user)
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    component.assign(tf.cast(tf.reshape(slot.value, user.shape), component.dtype))
+
     def ranks(self):
         """The shard index of each local replica (host side, cached)."""
         if getattr(self, "_ranks", None) is None:
