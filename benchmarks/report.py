@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import _stats
+from benchmarks import memory
 
 TARGET_RATIO = 1.05
 
@@ -271,6 +272,7 @@ def markdown(results):
         out.append("")
     out += _fusion_section(results.get("fusion"))
     out += _peers_section(results.get("peers"))
+    out += memory.markdown_section(results.get("memory"))
     plots = results.get("plots", [])
     if plots:
         out.append("## Plots")
@@ -588,6 +590,8 @@ def write_plots(results, out_dir):
         peers = results.get("peers", {})
         if isinstance(peers, dict) and peers.get("rows"):
             save(_plot_peers(plt, peers["rows"]), "peers_tf_keras.png")
+        if (results.get("memory") or {}).get("rows"):
+            save(memory.plot(plt, results["memory"]["rows"]), "memory.png")
     return [str(p) for p in paths]
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from benchmarks import _stats
 from benchmarks import collectives
 from benchmarks import fusion
+from benchmarks import memory
 from benchmarks import mpi
 from benchmarks import nontrainable
 from benchmarks import peers
@@ -54,6 +55,8 @@ MODES = {
         "scaling_steps": 20, "scaling_rounds": 3,
         "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2], [4, 2]], "po_steps": 24, "po_rounds": 3,
         "fusion_counts": [8, 32, 128], "fusion_sizes_mb": [4, 16],
+        "memory_models": ["mlp42m", "mlp200m"], "memory_workers": [2, 4],
+        "memory_configs": list(memory.CONFIGS), "memory_steps": 4,
     },
     "quick": {
         "sizes_mb": [1, 16], "iters": 10, "warmup": 1, "workers": [2],
@@ -61,6 +64,8 @@ MODES = {
         "scaling_steps": 10, "scaling_rounds": 2,
         "po_configs": [None, [1, 0], [4, 0], [1, 1], [1, 2]], "po_steps": 12, "po_rounds": 2,
         "fusion_counts": [8, 128], "fusion_sizes_mb": [4],
+        "memory_models": ["mlp42m"], "memory_workers": [2],
+        "memory_configs": list(memory.CONFIGS), "memory_steps": 4,
     },
     "smoke": {
         "sizes_mb": [0.25], "iters": 3, "warmup": 1, "workers": [2],
@@ -68,6 +73,8 @@ MODES = {
         "scaling_steps": 4, "scaling_rounds": 1,
         "po_configs": [None, [1, 0], [2, 2]], "po_steps": 4, "po_rounds": 1,
         "fusion_counts": [8], "fusion_sizes_mb": [0.25],
+        "memory_models": ["tiny"], "memory_workers": [2],
+        "memory_configs": ["zero1"], "memory_steps": 2,
     },
 }
 PEERS = {  # benchmarks/peers.py: jobs per framework and worker count, epochs per job
@@ -79,6 +86,7 @@ PEERS = {  # benchmarks/peers.py: jobs per framework and worker count, epochs pe
 PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
 PO_PER_REPLICA_BATCH = 64
 NT_PER_REPLICA_BATCH = 32
+MEMORY_PER_REPLICA_BATCH = 32
 
 
 def _load_launch():
@@ -181,6 +189,15 @@ def parse_args(argv=None):
     parser.add_argument("--no-fusion", action="store_true", help="skip the fusion-group benchmark")
     parser.add_argument("--no-pipeline", action="store_true", help="skip the pipeline benchmark (benchmarks/pipeline.py)")
     parser.add_argument("--no-peers", action="store_true", help="skip model.fit next to tf-keras (peers)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="the memory family: peak RSS per worker, one launch per configuration "
+                             "(full mode includes a 201M-parameter model: ~4 GiB per worker)")
+    parser.add_argument("--memory-models", nargs="+", default=None, choices=sorted(memory.MODELS),
+                        help="models for the memory family (default: mode's, full: mlp42m mlp200m)")
+    parser.add_argument("--memory-workers", type=int, nargs="+", default=None,
+                        help="worker counts for the memory family (default: mode's, full: 2 4)")
+    parser.add_argument("--memory-configs", nargs="+", default=None, choices=list(memory.CONFIGS),
+                        help="configurations for the memory family (default: mode's)")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -199,6 +216,9 @@ def parse_args(argv=None):
         params["sizes_mb"] = args.sizes
     if args.iters:
         params["iters"] = args.iters
+    for name in ("memory_models", "memory_workers", "memory_configs"):
+        if getattr(args, name):
+            params[name] = getattr(args, name)
     for n in params["workers"] + params["training_workers"]:
         if n < 1:
             parser.error(f"worker counts must be >= 1. Received: {n}")
@@ -389,6 +409,15 @@ def main(argv=None):
         if run_mpi:
             mpi_bracket("after")
 
+        # Memory: fresh processes per configuration (peak RSS only grows).
+        if args.memory:
+            log_file.flush()
+            memory_results = memory.run(
+                launch, p["memory_models"], p["memory_workers"], p["memory_configs"],
+                p["memory_steps"], MEMORY_PER_REPLICA_BATCH, raw_dir, env, tee,
+                timeout=args.job_timeout, say=say,
+            )
+
     results["machine"]["loadavg_after"] = _loadavg()
     if args.no_mpi:
         results["mpi_note"] = "skipped (--no-mpi)."
@@ -460,6 +489,11 @@ def main(argv=None):
             else nontrainable.summarize([r["nontrainable"] for r in job["ranks"]])
         )
         results["training"] = tr
+
+    if args.memory:
+        results["memory"] = memory_results
+        if memory_results["errors"]:
+            job_results["memory"] = {"code": 1, "ranks": []}
 
     results["seconds"] = time.perf_counter() - started
     # The numbers first, so a plotting failure cannot lose them.

@@ -124,6 +124,19 @@ def test_matches_single_process(name, acc, zero):
         assert po.state_bytes(breakdown=True) == po.unsharded_state_bytes()
 
 
+@pytest.mark.parametrize("acc,zero", [(1, 0), (2, 0), (1, 1), (2, 1), (2, 2)])
+def test_buckets_match_single_process(acc, zero, monkeypatch):
+    # Collectives per bucket of at most 16 elements: the variables (20, 4,
+    # 12, 3 elements) travel as [20], [4, 12], [3]; the result is unchanged.
+    from keras_comm.training import sharding
+
+    monkeypatch.setattr(sharding, "BUCKET_ELEMENTS", 16)
+    x, y = _data(32)
+    model, po = _parallel("adam", x, y, accumulation_steps=acc, zero_stage=zero)
+    assert len(po._engine.state.buckets) == 3
+    assert _max_rel(model.get_weights(), _reference("adam", acc, x, y)) <= RTOL
+
+
 @pytest.mark.parametrize("unknown_length", [False, True], ids=["known", "unknown"])
 def test_partial_window_at_epoch_end(unknown_length):
     # 7 micro-batches per epoch, windows of 4: updates on 4 then 3 micro-batches,
@@ -149,7 +162,35 @@ def test_second_fit_continues_the_sharded_state():
     assert _max_rel(model.get_weights(), _reference("adam", 2, x, y, epochs=1, fits=2)) <= RTOL
     assert int(model.optimizer.iterations.numpy()) == 4
     # The model's own train function is back after fit.
-    model.fit(_ds(x, y, MICRO), epochs=1, verbose=0)
+    assert model.train_function.__name__ != "_train_function"
+
+
+def test_a_new_stage_takes_over_the_state():
+    # zero_stage 1, then 2, then 0 on the same model: each new state cuts
+    # its shards from the previous one's (handed back full size).
+    x, y = _data(32)
+    strategy = make_strategy(2)
+    with strategy.scope():
+        model = _model(_optimizer("adam"))
+    for zero in (1, 2, 0):
+        model.fit(_ds(x, y, MICRO), epochs=1, verbose=0,
+                  callbacks=[ParallelOptimizer(accumulation_steps=2, zero_stage=zero)])
+    assert _max_rel(model.get_weights(), _reference("adam", 2, x, y, epochs=1, fits=3)) <= RTOL
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_no_full_size_optimizer_state_between_steps(zero):
+    # The optimizer's own slots and the masters hold no memory once the
+    # callback's (sharded) slots are the state; state_bytes() counts what is held.
+    x, y = _data(32)
+    model, po = _parallel("adam", x, y, epochs=1, accumulation_steps=2, zero_stage=zero)
+    slots = [v for v in model.optimizer.variables if len(v.shape)]
+    assert slots and all(v.numpy().size == 0 for v in slots)
+    state = po._engine.state
+    for replica in state.replicas:
+        assert all(m.numpy().size == 0 for m in replica.masters)
+        held = sum(v.numpy().nbytes for v in replica.slot_variables())
+        assert held == po.state_bytes(breakdown=True)["optimizer"]
 
 
 def test_loss_scale_optimizer():

@@ -38,3 +38,31 @@ def test_parallel_optimizer_across_processes(num_workers):
     for config in configs:
         sums = {r["results"][config]["checksum"] for r in result.results}
         assert len(sums) == 1, (config, sums)
+
+
+@pytest.mark.multiprocess
+def test_state_bytes_is_what_the_process_holds():
+    # Two launches on 2 workers, zero_stage 1, identical but for the
+    # optimizer: Adam (2 slots) and slot-less SGD. Their heap after fit
+    # (RssAnon; TensorFlow's allocator keeps its peak) differs by
+    # what the process holds for Adam's state and nothing else, which
+    # state_bytes() must account for: this replica's shards of the 2 slots,
+    # W bytes for weights of W bytes (N = 2). Had Keras's own full-size
+    # slots stayed allocated, the difference would be 3 W. Tolerance: W / 2
+    # on the mean of the two workers, for what else differs -- Adam's update
+    # makes a few temporaries of one variable's shard (2 MB each here), SGD's
+    # one -- and the allocator's rounding and fragmentation, which moved a
+    # single worker's figure by up to 27 MB between launches (one op at a
+    # time, so the peak does not hinge on op overlap).
+    peaks, states = {}, {}
+    for name in ("adam", "sgd"):
+        result = run_cluster(
+            "workers/parallel_optimizer_memory_worker.py", 2, name, "1", timeout=240
+        ).check()
+        peaks[name] = [r["anonymous"] for r in result.results]
+        states[name] = result.results[0]["state"]
+        weights = result.results[0]["weights"]
+    predicted = sum(states["adam"].values()) - sum(states["sgd"].values())
+    assert predicted == states["adam"]["optimizer"] == weights  # 2 slots / 2 replicas
+    measured = sum(a - b for a, b in zip(peaks["adam"], peaks["sgd"])) / 2
+    assert abs(measured - predicted) <= predicted / 2, (measured, predicted, peaks)

@@ -117,3 +117,21 @@ def test_state_elements():
     # Two slots (e.g. Adam) of variables with 10 and 3 elements over 4 shards.
     assert 2 * sh.Layout((10, 3), 4).shard_total == 2 * (3 + 1)
     assert 2 * sh.Layout((10, 3), 1).shard_total == 2 * 13
+
+
+def test_buckets_cover_the_variables_in_order():
+    layout = sh.Layout((10, 3, 1, 20, 2), 2)  # padded: 10, 4, 2, 20, 2
+    assert sh.buckets(layout, 16) == [(0, 3), (3, 4), (4, 5)]
+    assert sh.buckets(layout, 1000) == [(0, 5)]
+    assert sh.buckets(layout, 1) == [(i, i + 1) for i in range(5)]
+    assert sh.buckets(sh.Layout((), 2)) == []
+    # Replica r's shards of every bucket, concatenated: its shard of the whole.
+    rng = np.random.default_rng(0)
+    tensors = [tf.constant(rng.normal(size=n), tf.float32) for n in layout.sizes]
+    for r in range(2):
+        whole = tf.concat(sh.local_shards(tensors, layout, r), 0)
+        pieces = [tf.concat(sh.local_shards(tensors[a:b], layout.sub(a, b), r), 0)
+                  for a, b in sh.buckets(layout, 16)]
+        np.testing.assert_array_equal(tf.concat(pieces, 0), whole)
+    with pytest.raises(ValueError, match="max_elements"):
+        sh.buckets(layout, 0)

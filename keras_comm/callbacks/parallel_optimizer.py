@@ -25,11 +25,12 @@ _ACTIVE = weakref.WeakKeyDictionary()
 
 
 def prepare_checkpoint(model):
-    """Makes `model`'s optimizer hold the full optimizer state, for a save.
+    """Whether a save made now captures `model`'s whole training state.
 
     For callbacks that save mid-epoch (`keras_comm.callbacks.BackupAndRestore`
-    with an integer `save_freq`). Every worker must call it at the same step:
-    it may all-gather the sharded slots into the optimizer's own slots.
+    with an integer `save_freq`). Every worker must call it at the same step
+    (and then save: the sharded optimizer state is all-gathered while the
+    file is written, one variable at a time).
 
     Args:
         model: a Keras model.
@@ -108,18 +109,19 @@ class ParallelOptimizer(keras.callbacks.Callback):
     `keras_comm.training.step`. An unmarked weight
     behind a `MirrorOperator` would be summed twice (N times too large).
 
-    Checkpoints: the optimizer's own full-size slots, which Keras builds for
-    `fit` and this callback does not update, are the checkpoint container.
-    The sharded slots are all-gathered into them after each epoch's last
-    update, at the end of `fit`, and whenever `prepare_checkpoint` asks (the
-    keras_comm `BackupAndRestore` does before each save), so `save_weights`,
-    `ModelCheckpoint(save_freq="epoch")` and `BackupAndRestore` save the
-    whole state in standard Keras format. At the first step of every `fit`
-    each replica cuts its shard back out of them: a restored checkpoint
-    resumes with its optimizer state, also with a different number of
-    workers. (Skipping the full slots would save memory but leave nothing
-    standard to save.) A save made mid-epoch by another callback with an
-    integer `save_freq` sees the slots of the last epoch end.
+    Memory and checkpoints: the optimizer state lives in this callback's
+    slots (1/N of each slot for zero_stage >= 1, whole for 0). From the first
+    step of `fit` on, the optimizer's own full-size slot variables are
+    released (they keep their names and shapes for Keras, but hold no
+    memory; reading them gives empty arrays) and stay so after `fit`: the
+    callback's state is the optimizer state. `save_weights`,
+    `ModelCheckpoint` and `BackupAndRestore` still write standard Keras
+    files: the save all-gathers each slot's shards while writing it (one
+    variable at a time, so the transient is one variable's slot; every
+    worker must save). A load cuts each replica's shard out of the file, also
+    with a different number of workers. The float32 master copy of the
+    weights is filled at each update and released after it. To train the
+    model with plain `fit` afterwards, load a checkpoint into a new model.
 
     Args:
         accumulation_steps: micro-batches per optimizer step, an int >= 1.
@@ -142,7 +144,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         model = build_and_compile()
     po = keras_comm.callbacks.ParallelOptimizer(accumulation_steps=4, zero_stage=1)
     model.fit(ds, epochs=3, callbacks=[po])
-    po.state_bytes()  # optimizer state this replica holds
+    po.state_bytes()  # bytes this replica holds for the optimizer
     ```
     """
 
@@ -177,7 +179,6 @@ class ParallelOptimizer(keras.callbacks.Callback):
         self._pending = 0
         self._step_in_epoch = 0
         self._needs_reshard = False
-        self._synced = True
         self.counts = {"micro_steps": 0, "updates": 0}
 
     def get_config(self):
@@ -191,7 +192,14 @@ class ParallelOptimizer(keras.callbacks.Callback):
     # --- state ------------------------------------------------------------
 
     def state_bytes(self, breakdown=False):
-        """Bytes of optimizer state (and accumulation buffers) this replica holds.
+        """Bytes this replica holds for the optimizer (beyond the model's weights).
+
+        Every tensor the callback and the optimizer keep: the optimizer slots
+        (this replica's shards, plus any of the optimizer's own slots still
+        holding memory -- those of variables with their own gradient
+        reduction), the float32 master weights (held only while an update
+        runs) and the gradient accumulation buffers. Scalars (step counters,
+        learning rate, loss scale) are left out.
 
         Args:
             breakdown: return a dict ``{"optimizer", "master", "accumulation"}``
@@ -283,6 +291,10 @@ class ParallelOptimizer(keras.callbacks.Callback):
         if engine is None or not engine.matches(
             model, self.zero_stage, self.accumulation_steps, self.dump_local_norm
         ):
+            if engine is not None and engine.external is not None:
+                # The old state owns the optimizer's slots: hand them back
+                # (full size, for the new state to cut its shards from).
+                engine.external.restore_user_slots()
             engine = accumulate.AccumulateStep(
                 model, int(self.zero_stage), self.accumulation_steps, self.dump_local_norm
             )
@@ -300,12 +312,6 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 if accumulating
                 else None
             ),
-            "gather": step.compile_replica_call(
-                strategy, engine.gather_slots, "ParallelOptimizer's slot gather"
-            ),
-            "reshard": step.compile_replica_call(
-                strategy, engine.reshard_slots, "ParallelOptimizer's reshard"
-            ),
         }
         self._original_train_function = model.train_function
         model.train_function = self._train_function
@@ -313,19 +319,21 @@ class ParallelOptimizer(keras.callbacks.Callback):
         # Deferred to the first step: a restoring callback (BackupAndRestore)
         # may load the optimizer's slots after this callback's train begin.
         self._needs_reshard = True
-        self._synced = True
         _ACTIVE[model] = self
         if getattr(strategy.extended, "should_checkpoint", True):
             parts = self.state_bytes(breakdown=True)
             full = self.unsharded_state_bytes()
             logger.info(
-                "optimizer state per replica: %s (1/%d of %s); gradient "
-                "accumulation buffers: %s (%s)",
-                _format_bytes(parts["optimizer"] + parts["master"]),
+                "optimizer state per replica: %s (1/%d of %s); float32 master "
+                "weights while an update runs: %s; gradient accumulation "
+                "buffers: %s (%s); in all %s",
+                _format_bytes(parts["optimizer"]),
                 engine.state.num_shards,
-                _format_bytes(full["optimizer"] + full["master"]),
+                _format_bytes(full["optimizer"]),
+                _format_bytes(parts["master"]),
                 _format_bytes(parts["accumulation"]),
                 "sharded" if self.zero_stage == 2 else "not sharded",
+                _format_bytes(sum(parts.values())),
             )
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -338,7 +346,9 @@ class ParallelOptimizer(keras.callbacks.Callback):
 
     def _train_function(self, iterator):
         if self._needs_reshard:
-            self._functions["reshard"]()
+            # Deferred to here: a restoring callback may load the optimizer's
+            # slots after this callback's train begin.
+            self._take_slots()
             self._needs_reshard = False
         steps = self.params.get("steps") if self.params else None
         if self._functions["micro"] is None or sharding.is_apply_step(
@@ -348,11 +358,9 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 sharding.accumulation_scale(self._pending + 1, self.mean)
             )
             logs = self._functions["apply"](iterator)
+            self._engine.state.release_masters()
             self._pending = 0
-            self._synced = False
             self.counts["updates"] += 1
-            if steps is not None and self._step_in_epoch + 1 >= steps:
-                self._gather()  # the epoch's last update
         else:
             logs = self._functions["micro"](iterator)
             self._pending += 1
@@ -366,30 +374,44 @@ class ParallelOptimizer(keras.callbacks.Callback):
         # Only reached with pending micro-batches when the epoch length is
         # unknown (otherwise its last step applied them).
         self._flush()
-        self._gather()
+        self._sync()  # for savers at the epoch end
+
+    def _take_slots(self):
+        """The callback's slots become the optimizer state (first step of a fit)."""
+        state = self._engine.state
+        if not state.owns_slots:
+            self._engine.take_user_slots()
+        # Imported here: keras_comm.parallel imports keras_comm.training.
+        from keras_comm.parallel import _checkpoint
+
+        if self._engine.external is None:
+            self._engine.external = accumulate.ExternalSlots(self._engine)
+        store = self._engine.external
+        for opt in sharded_state.user_optimizers(self.model.optimizer):
+            if opt is not None:
+                _checkpoint.register_external_slots(opt, store)
 
     def _flush(self):
         if self._pending and self._functions and self._functions["flush"] is not None:
             self._engine.state.set_scale(sharding.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
+            self._engine.state.release_masters()
             self._pending = 0
-            self._synced = False
             self.counts["updates"] += 1
-
-    def _gather(self):
-        if not self._synced and self._functions is not None:
-            self._functions["gather"]()
-            self._synced = True
 
     def _prepare_checkpoint(self):
         if self._pending:
             return False
-        self._gather()
+        self._sync()
         return True
+
+    def _sync(self):
+        if self._engine is not None and self._engine.state.owns_slots:
+            self._engine.sync_hooked_slots()
 
     def on_train_end(self, logs=None):
         self._flush()
-        self._gather()
+        self._sync()
         if self.model is not None and self._functions is not None:
             self.model.train_function = self._original_train_function
         if self.model is not None and _ACTIVE.get(self.model) is self:

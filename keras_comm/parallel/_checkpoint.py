@@ -23,6 +23,13 @@ format) is refused with an error rather than loaded into every replica.
 `ParallelLayer` calls `save_layer` / `load_layer`; `apply` installs the
 optimizer side on Keras's TensorFlow optimizer (called by
 `keras_comm.compat.apply`).
+
+An optimizer whose slots live elsewhere (`ParallelOptimizer` keeps them as
+1/N shards and releases the optimizer's own, see
+`keras_comm.training.sharded_state`) registers an external store with
+`register_external_slots`: a save writes each variable it owns as its
+``value(variable)`` (full size, asked one variable at a time) and a load
+hands it ``assign(variable, full_value)``. The file is the same.
 """
 
 import weakref
@@ -37,6 +44,23 @@ from keras_comm.parallel import sharded
 # Per owner (layer or optimizer): (variables' ids, compiled gather function).
 _GATHERS = weakref.WeakKeyDictionary()
 _ORIGINALS_ATTR = "_keras_comm_checkpoint_originals"
+# Per optimizer: the external store of some of its variables (see above).
+_EXTERNAL = weakref.WeakKeyDictionary()
+
+
+def register_external_slots(optimizer, store):
+    """Saves and loads the variables `store.owns` through `store` (None: stop)."""
+    if store is None:
+        _EXTERNAL.pop(optimizer, None)
+    else:
+        _EXTERNAL[optimizer] = store
+
+
+def _external_flags(optimizer):
+    store = _EXTERNAL.get(optimizer)
+    if store is None:
+        return None, [False] * len(optimizer.variables)
+    return store, [store.owns(v) for v in optimizer.variables]
 
 
 def _needs_gather(pairs, strategy):
@@ -174,20 +198,27 @@ def optimizer_slot_specs(optimizer):
 
 def _save_optimizer(self, store):
     specs = optimizer_slot_specs(self)
-    if not any(specs):
+    external, owned = _external_flags(self)
+    if not any(specs) and not any(owned):
         return _original("save_own_variables")(self, store)
-    pairs = list(zip(self.variables, specs))
-    for i, value in enumerate(_gather(self, pairs)):
-        store[str(i)] = value
+    pairs = [(v, spec) for v, spec, own in zip(self.variables, specs, owned) if not own]
+    values = iter(_gather(self, pairs))
+    for i, (v, own) in enumerate(zip(self.variables, owned)):
+        # An external value is gathered and written one variable at a time.
+        store[str(i)] = external.value(v) if own else next(values)
 
 
 def _load_optimizer(self, store):
     specs = optimizer_slot_specs(self)
-    if not any(specs) or len(store.keys()) != len(self.variables):
+    external, owned = _external_flags(self)
+    if not any(specs) and not any(owned) or len(store.keys()) != len(self.variables):
         # Keras's own handling, including its warning for a count mismatch.
         return _original("load_own_variables")(self, store)
-    for i, (v, spec) in enumerate(zip(self.variables, specs)):
-        _assign(v, spec, store[str(i)], f"Optimizer {self.name!r}")
+    for i, (v, spec, own) in enumerate(zip(self.variables, specs, owned)):
+        if own:
+            external.assign(v, store[str(i)])
+        else:
+            _assign(v, spec, store[str(i)], f"Optimizer {self.name!r}")
 
 
 def _optimizer_class():

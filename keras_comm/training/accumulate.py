@@ -17,7 +17,10 @@ The replica steps `ParallelOptimizer` compiles through
    optimizer maths on this replica's shard of the masters. No collectives.
 5. The full weights back on every replica (one all-gather when sharded).
 
-State (masters, slots, buffers) lives in `sharded_state.ShardedState`.
+State (masters, slots, buffers) lives in `sharded_state.ShardedState`; the
+masters are filled at step 2 and released by the host after the update, and
+`ExternalSlots` serves the (released) user optimizer's slots to
+checkpoints.
 Collectives are keras_comm primitives named ``parallel_optimizer_*`` (tests
 count them in the traced graphs). Per update: zero_stage 0 one all-reduce of
 the packed gradient; zero_stage 1 one reduce-scatter plus one all-gather
@@ -26,6 +29,7 @@ micro-step plus one all-gather per update. Loss scaling with a sharded
 gradient adds one scalar all-reduce (the global "all finite" flag).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
@@ -33,7 +37,10 @@ from keras_comm.training import sharding
 from keras_comm.ops import _collective
 from keras_comm.training import nontrainable
 from keras_comm.training import replicated
+from keras_comm.training import sharded_state
+from keras_comm.training import step
 from keras_comm.training.sharded_state import ShardedState
+from keras_comm.training.sharded_state import fill
 from keras_comm.training.sharded_state import local_variable
 from keras_comm.training.sharded_state import prod
 
@@ -113,6 +120,8 @@ class AccumulateStep:
 
     def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
         self.state = ShardedState(model, zero_stage, accumulation_steps, dump_local_norm)
+        # The `ExternalSlots` serving checkpoints once the state owns the slots.
+        self.external = None
 
     def matches(self, *args):
         """Whether this step's state can serve a new fit (see `ShardedState.matches`)."""
@@ -139,7 +148,7 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat = self._contribution(grads)
+        packed, flat = self._contribution(grads, accumulate=replica.acc is not None)
         if replica.acc is not None:
             packed = replica.acc.read_value() + packed
         if replica.hooked_acc is not None:
@@ -175,52 +184,84 @@ class AccumulateStep:
                 tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in grads])
             )
 
-    def _contribution(self, grads):
+    def _contribution(self, grads, accumulate=True):
         """What one micro-batch adds to the accumulation buffers:
-        ``(plain or None, hooked or None)``."""
+        ``(plain or None, hooked or None)``.
+
+        Plain gradients are packed shard-major (`sharding.pack`) when they go
+        into a buffer; zero_stage 2 reduce-scatters them at once, bucket by
+        bucket. With nothing to accumulate into (`accumulate=False`, no
+        buffer) zero_stage 0/1 return the list of gradients, which `_update`
+        packs one bucket at a time: no full-size packed copy.
+        """
         s = self.state
         plain = [grads[i] for i in s.plain_index]
         hooked = [grads[i] for i in s.hooked_index]
         packed = None
         if plain:
-            packed = sharding.pack(plain, s.layout, tf.float32)
             if s.zero_stage == 2:
-                packed = self._reduce_scatter(packed)
+                packed = tf.concat(
+                    [self._reduce_scatter(self._bucket(plain, b)) for b in s.buckets], 0
+                )
+            elif accumulate:
+                packed = sharding.pack(plain, s.layout, tf.float32)
+            else:
+                packed = plain
         flat = None
         if hooked:
             flat = tf.concat([tf.reshape(g, [-1]) for g in hooked], 0)
         return packed, flat
+
+    def _bucket(self, contribution, bucket):
+        """Bucket `bucket`'s packed gradient: from the list of gradients, or
+        columns of the full packed ``[N * S]`` buffer (an accumulation)."""
+        s = self.state
+        lo, hi = bucket
+        sub = s.layout.sub(lo, hi)
+        if isinstance(contribution, list):
+            return sharding.pack(contribution[lo:hi], sub, tf.float32)
+        if (lo, hi) == (0, len(s.layout.sizes)):
+            return contribution
+        start = sum(s.layout.shard_sizes[:lo])
+        rows = tf.reshape(contribution, [s.num_shards, s.layout.shard_total])
+        return tf.reshape(rows[:, start:start + sub.shard_total], [sub.packed_size])
 
     def _update(self, replica, contribution, hooked_contribution):
         s = self.state
         call = self._call()
         for acc, c in ((replica.acc, contribution), (replica.hooked_acc, hooked_contribution)):
             if acc is not None:
-                with tf.control_dependencies([c]):
+                with tf.control_dependencies(c if isinstance(c, list) else [c]):
                     acc.assign(tf.zeros_like(acc))
         scale = replica.scale.read_value()
         grads = []
         if s.variables:
-            # 1. The summed gradient, this replica's shard of it.
-            if s.zero_stage == 0:
-                if call.trivial:
-                    total = contribution
-                else:
-                    total = _collective.run(lambda: _collective.all_reduce(contribution, call))
-            elif s.zero_stage == 1:
-                total = self._reduce_scatter(contribution)
+            # 1. This replica's shard of the summed gradient, bucket by bucket
+            # (the transient is a bucket's, not the model's): all-reduce
+            # (zero_stage 0), reduce-scatter (1) or already reduced (2).
+            if s.zero_stage == 2:
+                grads = sharding.split_shards(contribution * scale, s.layout)
             else:
-                total = contribution
+                for bucket in s.buckets:
+                    packed = self._bucket(contribution, bucket)
+                    if s.zero_stage == 1:
+                        total = self._reduce_scatter(packed)
+                    elif call.trivial:
+                        total = packed
+                    else:
+                        total = _collective.run(
+                            lambda packed=packed: _collective.all_reduce(packed, call)
+                        )
+                    grads += sharding.split_shards(total * scale, s.layout.sub(*bucket))
             shard_index = call.replica.rank if s.num_shards > 1 else 0
-            grads = sharding.split_shards(total * scale, s.layout)
-            # 2. Masters from the current weights.
+            # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
                 replica.masters,
                 sharding.local_shards(
                     [v.value for v in s.variables], s.layout, shard_index, tf.float32
                 ),
             ):
-                master.assign(piece)
+                fill(local_variable(master), piece)
         # Variables with their own reduction: each through its hook, whole.
         if s.hooked:
             pieces = tf.split(hooked_contribution, [prod(v.shape) for v in s.hooked])
@@ -229,8 +270,9 @@ class AccumulateStep:
             ):
                 reduced = hook(tf.reshape(piece, v.shape))
                 grads.append(tf.reshape(tf.cast(reduced, tf.float32), [-1]) * scale)
-                master.assign(
-                    tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1])
+                fill(
+                    local_variable(master),
+                    tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1]),
                 )
         # 3. The optimizer update, on this replica's shard.
         if s.lso is not None:
@@ -251,16 +293,20 @@ class AccumulateStep:
         # 4. Full weights back on every replica.
         if s.variables:
             if s.num_shards > 1:
-                shards = tf.concat([m.value for m in replica.masters], 0)
-                gathered = _collective.run(lambda: _collective.all_gather(shards, call))
-                new = sharding.unpack(gathered, s.layout, [v.shape for v in s.variables])
+                # One all-gather per bucket, each written back at once.
+                for lo, hi in s.buckets:
+                    shards = tf.concat([m.value for m in replica.masters[lo:hi]], 0)
+                    gathered = _collective.run(
+                        lambda shards=shards: _collective.all_gather(shards, call)
+                    )
+                    new = sharding.unpack(
+                        gathered, s.layout.sub(lo, hi), [v.shape for v in s.variables[lo:hi]]
+                    )
+                    for v, value in zip(s.variables[lo:hi], new):
+                        _write(v, value)
             else:
-                new = [
-                    tf.reshape(m.value, v.shape)
-                    for m, v in zip(replica.masters, s.variables)
-                ]
-            for v, value in zip(s.variables, new):
-                _write(v, value)
+                for m, v in zip(replica.masters, s.variables):
+                    _write(v, tf.reshape(m.value, v.shape))
         for v, m in zip(s.hooked, replica.hooked_masters):
             _write(v, tf.reshape(m.value, v.shape))
 
@@ -280,49 +326,146 @@ class AccumulateStep:
         grow_loss_scale(self.state.lso)
         return tf.constant(True)
 
-    # --- checkpoint container ---------------------------------------------
+    # --- the optimizer's slots -------------------------------------------
 
-    def gather_slots(self):
-        """Writes every replica's slot shards into the user's full-size slots.
-
-        One all-gather (zero_stage >= 1 with several replicas); identical
-        full values on every replica afterwards. Slots of hooked variables
-        are copied whole, each replica its own.
-        """
+    def take_user_slots(self):
+        """Host side, at a fit's first step while the user's slots hold the
+        state (a fresh model, or one Keras loaded): each replica's slots get
+        their shard of the user's, and each user slot is released as soon as
+        it is cut, so the two never coexist beyond one slot. No collectives."""
         s = self.state
-        sharded, whole = s.slot_pairs[s.current_index()]
-        if sharded:
-            local = tf.concat([tf.cast(slot.value, tf.float32) for slot, _, _ in sharded], 0)
-            call = self._call()
-            if s.num_shards > 1 and not call.trivial:
-                packed = _collective.run(lambda: _collective.all_gather(local, call))
-            else:
-                packed = local
-            full = sharding.unpack(packed, s.slot_layout, [u.shape for _, u, _ in sharded])
-            for (_, user, _), value in zip(sharded, full):
-                local_variable(user).assign(tf.cast(value, user.dtype))
-        for slot, user, _ in whole:
-            local_variable(user).assign(tf.cast(tf.reshape(slot.value, user.shape), user.dtype))
-        return tf.constant(0)
+        ranks = self.ranks()
+        for k, user in enumerate(s.user_slots()):
+            components = sharded_state.local_components(user)
+            layout = sharding.Layout((prod(user.shape),), s.num_shards)
+            for r, replica in enumerate(s.replicas):
+                slot = s.slot_pairs[r][0][k][0]
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    piece = sharding.local_shards(
+                        [component.read_value()], layout, ranks[r], tf.float32
+                    )[0]
+                    # A copy: the slice shares the full slot's buffer, which
+                    # would stay alive through it after the release.
+                    fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))
+            sharded_state.release(user)
+        for r, replica in enumerate(s.replicas):
+            for slot, user, _ in s.slot_pairs[r][1]:
+                components = sharded_state.local_components(user)
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
+        s.owns_slots = True
 
-    def reshard_slots(self):
-        """Cuts this replica's slot shards out of the user's full-size slots
-        (the inverse of `gather_slots`; no communication)."""
+    def sync_hooked_slots(self):
+        """Host side: the user's slots of hooked variables (not released, saved
+        as they are) get the callback's whole slots, before a save."""
         s = self.state
-        sharded, whole = s.slot_pairs[s.current_index()]
-        shard_index = self._call().replica.rank if s.num_shards > 1 else 0
-        if sharded:
-            pieces = sharding.local_shards(
-                [local_variable(u).read_value() for _, u, _ in sharded],
-                s.slot_layout,
-                shard_index,
-                tf.float32,
+        for r, replica in enumerate(s.replicas):
+            for slot, user, _ in s.slot_pairs[r][1]:
+                components = sharded_state.local_components(user)
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    component.assign(tf.cast(tf.reshape(slot.value, user.shape), component.dtype))
+
+    def ranks(self):
+        """The shard index of each local replica (host side, cached)."""
+        if getattr(self, "_ranks", None) is None:
+            fn = step.compile_replica_call(
+                self.state.strategy, self.replica_rank, "ParallelOptimizer's replica ranks"
             )
-            for (slot, _, _), piece in zip(sharded, pieces):
-                slot.assign(tf.cast(piece, slot.dtype))
-        for slot, user, _ in whole:
-            slot.assign(tf.cast(tf.reshape(local_variable(user).read_value(), [-1]), slot.dtype))
-        return tf.constant(0)
+            self._ranks = [
+                int(r) for r in self.state.strategy.experimental_local_results(fn())
+            ]
+        return self._ranks
+
+    def gather_slot(self, k):
+        """The full value of sharded slot pair `k` (one all-gather of its shards)."""
+        s = self.state
+        slot, user, i = s.slot_pairs[s.current_index()][0][k]
+        local = tf.cast(slot.value, tf.float32)
+        call = self._call()
+        if s.num_shards > 1 and not call.trivial:
+            local = _collective.run(lambda: _collective.all_gather(local, call))
+        layout = sharding.Layout((prod(user.shape),), s.num_shards)
+        return tf.cast(sharding.unpack(local, layout, [user.shape])[0], user.dtype)
+
+    def replica_rank(self):
+        return tf.constant(self._call().replica.rank if self.state.num_shards > 1 else 0)
+
+
+class ExternalSlots:
+    """The user optimizer's released slots, for `keras_comm.parallel._checkpoint`.
+
+    A save asks `value` for each released slot: the clone's shards of that
+    one variable, all-gathered (a collective: every worker saves, as with any
+    MultiWorkerMirroredStrategy checkpoint), so the transient is one slot's
+    full size. A load hands `assign` the file's full value; each local
+    replica keeps its shard of it, whatever the worker count that saved it.
+
+    Args:
+        engine: the `AccumulateStep` whose state owns the slots.
+    """
+
+    def __init__(self, engine):
+        s = engine.state
+        self.engine = engine
+        self._index = {id(user): k for k, user in enumerate(s.user_slots())}
+        self._gathers = {}
+
+    def owns(self, variable):
+        return id(variable) in self._index
+
+    def _strategy(self):
+        return self.engine.state.strategy
+
+    def value(self, variable):
+        k = self._index[id(variable)]
+        fn = self._gathers.get(k)
+        if fn is None:
+            fn = step.compile_replica_call(
+                self._strategy(),
+                lambda: self.engine.gather_slot(k),
+                "ParallelOptimizer's checkpoint gather",
+            )
+            self._gathers[k] = fn
+        return np.asarray(self._strategy().experimental_local_results(fn())[0])
+
+    def restore_user_slots(self):
+        """Gives the user's released slots their full values back and stops
+        serving them (host side; a collective per slot). For a new state
+        replacing this one, which cuts its shards from them."""
+        from keras_comm.parallel import _checkpoint  # keras_comm.parallel imports training
+
+        s = self.engine.state
+        for user in s.user_slots():
+            value = self.value(user)
+            for component in sharded_state.local_components(user):
+                with tf.device(component.device):
+                    fill(component, tf.constant(value))
+        for opt in sharded_state.user_optimizers(s.optimizer):
+            if opt is not None:
+                _checkpoint.register_external_slots(opt, None)
+        s.owns_slots = False
+        self.engine.external = None
+
+    def assign(self, variable, value):
+        s = self.engine.state
+        k = self._index[id(variable)]
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"Optimizer slot {variable.path!r} has shape {tuple(variable.shape)} and "
+                "the file must hold a value of that shape. Received: value of shape "
+                f"{tuple(value.shape)}"
+            )
+        layout = sharding.Layout((value.size,), s.num_shards)
+        flat = tf.constant(value.reshape(-1), tf.float32)
+        for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.engine.ranks()):
+            slot = pairs[0][k][0]
+            with tf.device(replica.device):
+                piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
+                fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))  # not a view of `flat`
 
 
 def _write(v, value):

@@ -27,14 +27,29 @@ the sharding: their gradient goes through their hook once per update and
 they are updated whole, each replica on its own value (``hooked_masters``,
 ``hooked_acc``).
 
-Checkpoints: the user's optimizer, built by `fit` on the model's variables,
-keeps full-size slots that the update never uses. They are the checkpoint
-container: the step's `gather_slots` all-gathers every replica's slot shards
-into them (so `save_weights`, `ModelCheckpoint` and `BackupAndRestore` save
-the real optimizer state in standard Keras format) and `reshard_slots` cuts
-this replica's shard back out of them (after a restore, whatever the worker
-count that saved it). Slots are matched by name: the clone's slot
-``kc_master_<i>_<slot>`` is the user's ``<path of variable i>_<slot>``.
+Memory: between steps a replica holds the model's weights, the clone's
+slots (1/N of the optimizer state for zero_stage >= 1) and ``acc`` -- nothing
+else of the optimizer:
+
+* the user optimizer's full-size slots of the plain variables are
+  *released* (their buffers replaced by empty ones, `release`) once this
+  state holds their values (`AccumulateStep.take_user_slots` at the first
+  step, one slot at a time), and stay
+  released while this state lives: the clone's slots are the optimizer
+  state. A save still writes standard Keras files: `keras_comm.parallel.
+  _checkpoint` asks this state (`ExternalSlots`) for each released slot's
+  full value, all-gathered one variable at a time, so the transient is one
+  variable's slot, and a load cuts each replica's shard out of the file's
+  full value (any worker count). Slots are matched by name: the clone's
+  slot ``kc_master_<i>_<slot>`` is the user's ``<path of variable i>_<slot>``;
+* the masters are scratch: they are refreshed from the model's weights at
+  every update anyway, so they are filled (`fill`) at the update and
+  released by the host right after it. A master costs its bytes only while
+  the update runs (for float16/bfloat16 variables too: the weights stay the
+  source of truth, as before).
+
+Slots of hooked variables (whole, per replica) are not released: the
+user's slot and the clone's are both held (counted by `nbytes`).
 """
 
 import concurrent.futures
@@ -82,6 +97,36 @@ def _nbytes(v):
     return prod(v.shape) * tf.as_dtype(v.dtype).size
 
 
+def local_components(variable):
+    """Every local component of a (Keras or tf) variable, distributed or not."""
+    v = keras_api.tf_variable(variable)
+    values = getattr(v, "values", None)
+    return list(values) if isinstance(values, (tuple, list)) else [v]
+
+
+def release(variable):
+    """Frees `variable`'s buffer on every local component (host side).
+
+    The variable keeps its Python shape (Keras's bookkeeping, names and
+    checkpoint order are untouched) but holds an empty tensor, so its memory
+    goes back to TensorFlow's allocator. Read it only after `fill`.
+    """
+    for component in local_components(variable):
+        with tf.device(component.device):
+            tf.raw_ops.AssignVariableOp(
+                resource=component.handle,
+                value=tf.zeros([0], component.dtype),
+                validate_shape=False,
+            )
+
+
+def fill(variable, value):
+    """Gives a released (local, tf) `variable` the buffer `value`, in a step."""
+    return tf.raw_ops.AssignVariableOp(
+        resource=variable.handle, value=tf.cast(value, variable.dtype), validate_shape=False
+    )
+
+
 class ReplicaState:
     """Variables one local replica holds (see the module docstring)."""
 
@@ -122,6 +167,16 @@ class ReplicaState:
             )
             # Set by the host before an update: 1/k for a mean over k micro-batches.
             self.scale = tf.Variable(1.0, trainable=False)
+        self.release_masters()
+        # Filled from the user's slots (or a checkpoint) when the state takes
+        # the slots over; until then they hold no memory.
+        for v in self.slot_variables():
+            release(v)
+
+    def release_masters(self):
+        """Host side, after an update: the masters' memory back to the allocator."""
+        for m in self.masters + self.hooked_masters:
+            release(m)
 
     def slot_variables(self):
         skip = {id(self.inner.iterations)}
@@ -131,7 +186,8 @@ class ReplicaState:
         return [v for v in self.inner.variables if id(v) not in skip]
 
     def nbytes(self):
-        """Bytes by kind: optimizer slots, masters and accumulation buffer."""
+        """Bytes by kind: this replica's optimizer slots, masters (held while
+        an update runs) and accumulation buffers."""
         return {
             "optimizer": sum(_nbytes(v) for v in self.slot_variables()),
             "master": sum(_nbytes(v) for v in self.masters + self.hooked_masters),
@@ -152,7 +208,7 @@ class ShardedState:
 
     Raises:
         ValueError: if an optimizer slot has no same-size counterpart among
-            the user optimizer's slots (the checkpoint container).
+            the user optimizer's slots (checkpoints are written in their names).
     """
 
     def __init__(self, model, zero_stage, accumulation_steps, dump_local_norm):
@@ -173,6 +229,8 @@ class ShardedState:
         self.layout = sharding.Layout(
             tuple(prod(v.shape) for v in self.variables), self.num_shards
         )
+        self.buckets = sharding.buckets(self.layout)
+        self.optimizer = model.optimizer
         self.lso, self.user_inner = user_optimizers(model.optimizer)
         inner = self.user_inner
         if not inner.built:
@@ -203,6 +261,9 @@ class ShardedState:
             tf_api.canonicalize_device(d): s for d, s in zip(self.devices, self.replicas)
         }
         self._match_slots()
+        # Whether the clone's slots hold the optimizer state (and the user's
+        # slots of the plain variables are released): from the first step on.
+        self.owns_slots = False
 
     def _local_devices(self):
         if self.world == 1 and not tf.distribute.has_strategy():
@@ -264,6 +325,7 @@ class ShardedState:
         """Whether this state can serve a new fit with these settings."""
         return (
             model is self.model
+            and model.optimizer is self.optimizer
             and zero_stage == self.zero_stage
             and (accumulation_steps > 1) == (self.accumulation_steps > 1)
             and bool(dump_local_norm) == bool(self.dump_local_norm)
@@ -301,5 +363,30 @@ class ShardedState:
             for v, n in zip(self.all_variables, norms)
         }
 
+    def user_slots(self):
+        """The user optimizer's slots that this state shards (and releases)."""
+        return [user for _, user, _ in self.slot_pairs[0][0]]
+
+    def release_masters(self):
+        for r in self.replicas:
+            r.release_masters()
+
     def nbytes(self):
-        return self.replicas[0].nbytes()
+        """Bytes one replica holds for the optimizer, by kind.
+
+        ``optimizer``: the clone's slots plus every slot of the user's
+        optimizer that is not released (slots of hooked variables, and any
+        slot no clone slot pairs with); ``master``: the float32 masters, held
+        while an update runs; ``accumulation``: the gradient buffers. Scalars
+        (iterations, learning rate, loss scale) are left out.
+        """
+        parts = dict(self.replicas[0].nbytes())
+        skip = {id(self.user_inner.iterations)}
+        lr = keras_api.learning_rate_variable(self.user_inner)
+        if lr is not None:
+            skip.add(id(lr))
+        skip.update(id(u) for u in self.user_slots())
+        parts["optimizer"] += sum(
+            _nbytes(v) for v in self.user_inner.variables if id(v) not in skip
+        )
+        return parts

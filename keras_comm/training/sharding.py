@@ -79,6 +79,38 @@ class Layout:
         """Elements of the packed buffer, ``N * S``."""
         return self.num_shards * self.shard_total
 
+    def sub(self, start, stop):
+        """The layout of variables ``start:stop`` alone (a bucket)."""
+        return Layout(self.sizes[start:stop], self.num_shards)
+
+
+#: Elements (padded) per communication bucket: 4 Mi float32 = 16 MiB.
+BUCKET_ELEMENTS = 1 << 22
+
+
+def buckets(layout, max_elements=None):
+    """Consecutive ``(start, stop)`` variable ranges of at most `max_elements`
+    (default `BUCKET_ELEMENTS`) padded elements each (a larger variable is a
+    bucket of its own).
+
+    Collectives run per bucket, so a step's transient copies are a bucket's
+    size, not the model's. Concatenating every bucket's shard of replica r
+    gives replica r's shard of the whole layout (the order is kept).
+    """
+    if max_elements is None:
+        max_elements = BUCKET_ELEMENTS
+    _check_positive_int(max_elements, "max_elements")
+    out, start, total = [], 0, 0
+    for i, n in enumerate(layout.sizes):
+        size = padded_size(n, layout.num_shards)
+        if i > start and total + size > max_elements:
+            out.append((start, i))
+            start, total = i, 0
+        total += size
+    if layout.sizes:
+        out.append((start, len(layout.sizes)))
+    return out
+
 
 def accumulation_scale(seen, mean=True):
     """Factor applied to a sum of `seen` micro-batch gradients.

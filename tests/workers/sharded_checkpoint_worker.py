@@ -45,6 +45,19 @@ CONFIGS = {
 }
 
 
+
+def optimizer_values(model):
+    """The optimizer's variables as numpy; under ParallelOptimizer its slots
+    hold no memory and their (full) values come from the callback's shards
+    (a collective: every worker calls)."""
+    from keras_comm.parallel import _checkpoint
+
+    store = _checkpoint._EXTERNAL.get(model.optimizer)
+    return [
+        store.value(v) if store is not None and store.owns(v) else np.asarray(v)
+        for v in model.optimizer.variables
+    ]
+
 def build(config):
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -111,7 +124,7 @@ def rel(expected, actual):
 
 def state(model):
     """Full weights (gathered: every worker calls) and this worker's optimizer variables."""
-    return P.full_weights(model), [np.asarray(v) for v in model.optimizer.variables]
+    return P.full_weights(model), optimizer_values(model)
 
 
 def own_path(state_dir, name):

@@ -1,0 +1,307 @@
+"""Memory benchmark: peak resident memory per worker under each training configuration.
+
+Peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) only grows, so every
+(model, workers, configuration) runs in fresh worker processes: one launch
+each. A worker builds the model under MultiWorkerMirroredStrategy, trains a
+few steps of synthetic data and reports its peak RSS before and after
+`fit`, plus what `ParallelOptimizer.state_bytes()` says it holds.
+
+Configurations are a registry, ``CONFIGS``: name -> function
+``(strategy, model_spec) -> (model, callbacks)`` run in the worker, which
+builds and compiles the model and returns the callbacks for `fit`. Another
+configuration (e.g. a fully sharded one) is one more entry.
+
+Driver side: `run` (called by `benchmarks.run`) launches the jobs one at a
+time and `summarize` merges the ranks (a configuration's figure is its
+largest rank's peak).
+
+Worker: ``python -m benchmarks.memory --config NAME --model NAME --steps S
+--per-replica-batch B --out FILE`` (through the launcher, which sets
+TF_CONFIG).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+MIB = 2**20
+
+# name -> (input features, hidden widths, outputs). Adam, mse loss.
+MODELS = {
+    "tiny": (64, [128, 128], 8),
+    # The model of issue 21: 2048 -> 3 x Dense(4096, relu) -> 16, 42.0M parameters.
+    "mlp42m": (2048, [4096] * 3, 16),
+    # 2048 -> 3 x Dense(8192, relu) -> Dense(6144, relu) -> 16, 201.4M parameters.
+    "mlp200m": (2048, [8192] * 3 + [6144], 16),
+}
+
+
+def params_of(spec):
+    features, hidden, outputs = spec
+    widths = [features, *hidden, outputs]
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def build_model(strategy, model, seed=0):
+    """The model `model` (a MODELS key), built and compiled with Adam under `strategy`."""
+    import keras
+
+    features, hidden, outputs = MODELS[model]
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        m = keras.Sequential(
+            [keras.Input((features,))]
+            + [keras.layers.Dense(h, activation="relu") for h in hidden]
+            + [keras.layers.Dense(outputs)]
+        )
+        m.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return m
+
+
+def _parallel_optimizer(**kwargs):
+    def build(strategy, model):
+        import keras_comm
+
+        return build_model(strategy, model), [keras_comm.callbacks.ParallelOptimizer(**kwargs)]
+
+    return build
+
+
+def _plain(strategy, model):
+    return build_model(strategy, model), []
+
+
+# name -> (strategy, model name) -> (compiled model, callbacks for fit).
+# zero2 with accumulation_steps=1 holds exactly what zero1 holds (there is no
+# accumulation buffer to shard); the *_acc2 pair shows what stage 2 adds.
+CONFIGS = {
+    "plain": _plain,
+    "zero0": _parallel_optimizer(zero_stage=0),
+    "zero1": _parallel_optimizer(zero_stage=1),
+    "zero2": _parallel_optimizer(zero_stage=2),
+    "zero1_acc2": _parallel_optimizer(zero_stage=1, accumulation_steps=2),
+    "zero2_acc2": _parallel_optimizer(zero_stage=2, accumulation_steps=2),
+}
+
+
+def _maxrss_bytes():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _current_rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _anonymous_rss_bytes():
+    # The heap without the libraries' file pages (which memory pressure from
+    # other processes can evict); TensorFlow's allocator keeps its peak.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def measure(config, model, steps, per_replica_batch):
+    """Worker side: one configuration in this (fresh) process."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_comm  # noqa: F401  (model.fit under MWMS)
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_resolver.task_id or 0
+    n = strategy.num_replicas_in_sync
+    features, _, outputs = MODELS[model]
+    global_batch = per_replica_batch * n
+    rng = np.random.default_rng(0)
+    x = rng.random((global_batch * 2, features), dtype=np.float32)
+    y = rng.random((global_batch * 2, outputs), dtype=np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch, drop_remainder=True)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    ds = ds.with_options(options)
+    before_build = _maxrss_bytes()
+    m, callbacks = CONFIGS[config](strategy, model)
+    built = _maxrss_bytes()
+    started = time.perf_counter()
+    m.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
+    seconds = time.perf_counter() - started
+    result = {
+        "rank": rank,
+        "workers": n,
+        "config": config,
+        "model": model,
+        "params": int(sum(int(np.prod(v.shape)) for v in m.trainable_variables)),
+        "steps": steps,
+        "global_batch": global_batch,
+        "peak_rss_before_build": before_build,
+        "peak_rss_after_build": built,
+        "peak_rss": _maxrss_bytes(),
+        "rss_after_fit": _current_rss_bytes(),
+        "rss_anon_after_fit": _anonymous_rss_bytes(),
+        "fit_seconds": seconds,
+    }
+    for cb in callbacks:
+        if hasattr(cb, "state_bytes"):
+            result["state_bytes"] = cb.state_bytes(breakdown=True)
+    return result
+
+
+def run(launch, models, workers, configs, steps, per_replica_batch, raw_dir, env, stdout,
+        timeout=900, say=print):
+    """Driver side: one launch per (model, workers, configuration), one at a time.
+
+    Returns ``{"rows": [...], "errors": [...]}`` (see `summarize`).
+    """
+    rows, errors = [], []
+    for model in models:
+        for n in workers:
+            for config in configs:
+                tag = f"memory_{model}_n{n}_{config}"
+                say(f"[memory n={n}] {model} {config}")
+                code = launch.run(
+                    ["-m", "benchmarks.memory", "--config", config, "--model", model,
+                     "--steps", str(steps), "--per-replica-batch", str(per_replica_batch),
+                     "--out", str(Path(raw_dir) / tag)],
+                    n, timeout=timeout, env=env, stdout=stdout, stderr=stdout,
+                )
+                ranks = []
+                for rank in range(n):
+                    path = Path(raw_dir) / f"{tag}.rank{rank}.json"
+                    if path.exists():
+                        ranks.append(json.loads(path.read_text()))
+                if code != 0 or len(ranks) != n:
+                    errors.append(f"{model}, {n} workers, {config}: job exited {code} "
+                                  f"with {len(ranks)}/{n} results (see run.log)")
+                    continue
+                rows.append(summarize(ranks))
+    return {"rows": rows, "errors": errors}
+
+
+def summarize(ranks):
+    """One row from every rank's result: the largest peak, and each rank's."""
+    first = ranks[0]
+    row = {k: first[k] for k in ("config", "model", "params", "workers", "steps", "global_batch")}
+    row["peak_rss_mib"] = max(r["peak_rss"] for r in ranks) / MIB
+    row["peak_rss_mib_per_rank"] = [r["peak_rss"] / MIB for r in ranks]
+    row["after_build_mib"] = max(r["peak_rss_after_build"] for r in ranks) / MIB
+    row["fit_seconds"] = max(r["fit_seconds"] for r in ranks)
+    if all(r.get("rss_anon_after_fit") for r in ranks):
+        row["anon_after_fit_mib"] = max(r["rss_anon_after_fit"] for r in ranks) / MIB
+    if "state_bytes" in first:
+        row["state_bytes"] = first["state_bytes"]
+    return row
+
+
+LABELS = {
+    "plain": "plain fit",
+    "zero0": "ZeRO-0",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero1_acc2": "ZeRO-1, accum. 2",
+    "zero2_acc2": "ZeRO-2, accum. 2",
+}
+
+
+def _label(config):
+    return LABELS.get(config, config)
+
+
+def markdown_section(memory):
+    """The report's memory section (a list of Markdown lines)."""
+    if not memory:
+        return []
+    out = ["## 6. Memory: peak RSS per worker", ""]
+    out.append(
+        "Peak resident memory (`ru_maxrss`) of each worker process over building the model "
+        "(Adam, mse) and a few `fit` steps; one fresh launch per row, the largest rank's figure. "
+        "\"state MiB\" is what `ParallelOptimizer.state_bytes()` says a replica holds "
+        "(slots + float32 masters while an update runs + accumulation buffers)."
+    )
+    out.append("")
+    rows = memory.get("rows", [])
+    groups = sorted({(r["model"], r["params"], r["workers"]) for r in rows},
+                    key=lambda g: (g[1], g[2]))
+    for model, params, n in groups:
+        group = [r for r in rows if (r["model"], r["workers"]) == (model, n)]
+        plain = next((r["peak_rss_mib"] for r in group if r["config"] == "plain"), None)
+        out.append(f"### {model} ({params / 1e6:.1f}M parameters), {n} workers")
+        out.append("")
+        table = []
+        for r in group:
+            state = r.get("state_bytes")
+            table.append("| " + " | ".join([
+                _label(r["config"]),
+                f"{r['peak_rss_mib']:.0f}",
+                " / ".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"]),
+                f"{r['peak_rss_mib'] - plain:+.0f}" if plain is not None else "–",
+                f"{r['after_build_mib']:.0f}",
+                f"{sum(state.values()) / MIB:.0f}" if state else "–",
+            ]) + " |")
+        out.append("| configuration | peak RSS MiB | per rank | vs plain fit | after build MiB "
+                   "| state MiB / replica |")
+        out.append("|---|---|---|---|---|---|")
+        out += table
+        out.append("")
+    for error in memory.get("errors", []):
+        out.append(f"Failed: {error}")
+        out.append("")
+    return out
+
+
+def plot(plt, rows):
+    """Bars of peak RSS per worker, one panel per (model, workers)."""
+    groups = sorted({(r["model"], r["params"], r["workers"]) for r in rows},
+                    key=lambda g: (g[1], g[2]))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8.0, 2.8 * len(groups) + 0.6),
+                             squeeze=False)
+    for ax, (model, params, n) in zip(axes[:, 0], groups):
+        group = [r for r in rows if (r["model"], r["workers"]) == (model, n)]
+        idx = list(range(len(group)))
+        ax.bar(idx, [r["peak_rss_mib"] for r in group], color="tab:blue", label="peak RSS")
+        ax.bar(idx, [r["after_build_mib"] for r in group], color="tab:gray", alpha=0.6,
+               label="after building the model")
+        for i, r in enumerate(group):
+            ax.text(i, r["peak_rss_mib"], f"{r['peak_rss_mib']:.0f}", ha="center", va="bottom",
+                    fontsize=10)
+        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n") for r in group])
+        ax.set_ylabel("MiB per worker")
+        ax.set_title(f"{model} ({params / 1e6:.0f}M parameters, Adam), {n} workers")
+        ax.set_ylim(0, max(r["peak_rss_mib"] for r in group) * 1.35)
+    axes[0, 0].legend(loc="upper left", ncol=2)
+    fig.suptitle("Peak resident memory per worker (lower is better)")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--per-replica-batch", type=int, default=32)
+    parser.add_argument("--out", required=True, help="prefix of the per-rank JSON files")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    source = os.environ.get("KERAS_COMM_BENCH_SOURCE")
+    if source:  # a `git archive` snapshot (benchmarks.run --ref)
+        sys.path.insert(0, source)
+    result = measure(args.config, args.model, args.steps, args.per_replica_batch)
+    path = Path(f"{args.out}.rank{result['rank']}.json")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    print(f"[memory] rank {result['rank']}: {args.config} {args.model} peak RSS "
+          f"{result['peak_rss'] / MIB:.0f} MiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Worker: peak resident memory of one ParallelOptimizer configuration.
+
+Each launch is one configuration in fresh processes (peak RSS only grows):
+an MLP of 15.8M parameters (63 MB of float32 weights, in 15 layers so that
+the optimizer's per-variable temporaries stay small), zero_stage 1, and the
+optimizer given on the command line. TensorFlow runs one op at a time
+(inter-op parallelism 1) so the peak does not depend on how concurrent ops
+happened to overlap.
+
+Usage: parallel_optimizer_memory_worker.py OPTIMIZER ZERO_STAGE, OPTIMIZER in
+adam, sgd (no momentum: no slots).
+"""
+
+import resource
+import sys
+
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_comm  # noqa: E402,F401
+from _cluster import write_result  # noqa: E402
+
+PER_REPLICA_BATCH = 512  # activations (~50 MB) make the step the peak, not fit's start
+
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def anonymous():
+    """Resident anonymous memory (RssAnon): the heap, without the shared
+    libraries' file pages, which the kernel drops and re-reads under memory
+    pressure from other processes. TensorFlow's CPU allocator keeps what it
+    once took, so after `fit` this is the peak of the heap."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def main(name, zero):
+    n = strategy.num_replicas_in_sync
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((1024,))]
+            + [keras.layers.Dense(1024, activation="relu") for _ in range(15)]
+            + [keras.layers.Dense(8)]
+        )
+        opt = keras.optimizers.Adam(1e-4) if name == "adam" else keras.optimizers.SGD(1e-4)
+        model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.random((PER_REPLICA_BATCH * n, 1024), dtype=np.float32)
+    y = rng.random((PER_REPLICA_BATCH * n, 8), dtype=np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(PER_REPLICA_BATCH * n)
+    built = peak()
+    po = keras_comm.callbacks.ParallelOptimizer(zero_stage=zero)
+    model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[po])
+    write_result({
+        "rank": int(strategy.cluster_resolver.task_id),
+        "peak": peak(),
+        "anonymous": anonymous(),
+        "built": built,
+        "state": po.state_bytes(breakdown=True),
+        "weights": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
+    })
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
