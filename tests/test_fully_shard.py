@@ -82,7 +82,9 @@ def test_fit_matches_unwrapped(n, name, optimizer):
 
 
 @pytest.mark.inprocess
-@pytest.mark.parametrize("steps, accumulation", [(2, "sharded"), (4, "sharded"), (2, "local"), (4, "local")])
+# Each mode once, at different step counts (both counts of both modes took
+# 2.5 minutes of the suite on 2 cores for no branch the pair does not cover).
+@pytest.mark.parametrize("steps, accumulation", [(2, "sharded"), (4, "local")])
 def test_accumulation_modes_match_the_large_batch(steps, accumulation):
     got = cases.fit_case(
         make_strategy(2), "mlp", optimizer="adam", accumulation_steps=steps, accumulation=accumulation
