@@ -60,6 +60,21 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "4f842d285755017cab4a4fac0b3b9fe1d1aa31afb9ae68e12e7798689c295c3d",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "b1387bb7d54e3d3d407c80137bfa098745faa51a047546ac1758b186f5cbab09",
+        "KerasVariable.__init__": "e674350894d85176a3a20dc2e89435d151ed16a5a14fc507c2615bd1b88f0da8",
+        "KerasVariable._deferred_initialize": "437c15620e8091add358f643b3b50ed4a9ea8cd194dad22704e78b6ba9b13507",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "eb862bca3f89a935746a95fbc77338a8868c3a93ca6c221befc7e13e1c49b334",
+        "saving_lib._load_state": "1e191fbd102666549e9ce4438dac0790cc00f4e8f78158d023ecd1afceecff04",
+        "saving_lib._save_container_state": "ffa18707ab6eb9e238a7f7fdbe408572eaf29377a109865fd18082c1dc0bed0b",
+        "saving_lib._load_container_state": "47665768533bb81572b23c4b140a1fa0d78cfc74ca19f95407931870f7bdd819",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "444b04976ad04052e7deeaeccabf423030d0f7eace023015bfec5230e228814d",
+        "ShardedH5IOStore.get": "52ba07676d8818aadb09999b34d84087c1ed366ea27450a3f5ec46b2695d303a",
     },
     "3.11.3": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -88,6 +103,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "b1387bb7d54e3d3d407c80137bfa098745faa51a047546ac1758b186f5cbab09",
+        "KerasVariable.__init__": "e674350894d85176a3a20dc2e89435d151ed16a5a14fc507c2615bd1b88f0da8",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "eb862bca3f89a935746a95fbc77338a8868c3a93ca6c221befc7e13e1c49b334",
+        "saving_lib._load_state": "1e191fbd102666549e9ce4438dac0790cc00f4e8f78158d023ecd1afceecff04",
+        "saving_lib._save_container_state": "ffa18707ab6eb9e238a7f7fdbe408572eaf29377a109865fd18082c1dc0bed0b",
+        "saving_lib._load_container_state": "47665768533bb81572b23c4b140a1fa0d78cfc74ca19f95407931870f7bdd819",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "444b04976ad04052e7deeaeccabf423030d0f7eace023015bfec5230e228814d",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "6968828d83aa893d85d78d89b59c35a6dd67a02fb04cc793bcaec6e3bf7943a6",
     },
     "3.12.4": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -117,6 +148,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "f54360566fb57a08bc28a3c1f5c546ff7240686971fd9a37ff3a5572fe2302da",
+        "KerasVariable.__init__": "ec431852f460b61b6daf66c4f048ac64a233e688c14605e0b81acd5a78fc72d1",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "472e9cc9267e3c4b23f189a8fc2179d3cd3d21d5270a4cce9e98415e383a2347",
+        "saving_lib._load_state": "c4fd8eeccf65d665b0d4a850330d9a9a15f57e48cf848171a2a3f299223a359b",
+        "saving_lib._save_container_state": "1a6e8e8c803399a5f0e67dc63ce9ab47b84725325c201288cd6a8d9240aa5229",
+        "saving_lib._load_container_state": "9c3a0d26227c2cd1937711019fc196a222c0fe6c8485c0ee4f2c713eadeb1724",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "1dc95c2a327ae1afa250cf7567d71aeefd8b1d530f8747fca3eb74b8672161d2",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
     },
     "3.13.2": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -146,6 +193,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "f54360566fb57a08bc28a3c1f5c546ff7240686971fd9a37ff3a5572fe2302da",
+        "KerasVariable.__init__": "ec431852f460b61b6daf66c4f048ac64a233e688c14605e0b81acd5a78fc72d1",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "eb862bca3f89a935746a95fbc77338a8868c3a93ca6c221befc7e13e1c49b334",
+        "saving_lib._load_state": "8f612ce0841e283237fd90f55b2125d83e9e4746af9bcf906b8419cb8f27fa18",
+        "saving_lib._save_container_state": "ffa18707ab6eb9e238a7f7fdbe408572eaf29377a109865fd18082c1dc0bed0b",
+        "saving_lib._load_container_state": "47665768533bb81572b23c4b140a1fa0d78cfc74ca19f95407931870f7bdd819",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "58511a51d8d0e3581d55e6bfeb60966005c64f3d04ca133f8814f15e66ccc7cb",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "1b3d7d9721224c19736415b5a46263130245e9861b596a4da7b2e139f18de767",
     },
     "3.14.1": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -175,6 +238,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "f54360566fb57a08bc28a3c1f5c546ff7240686971fd9a37ff3a5572fe2302da",
+        "KerasVariable.__init__": "ec431852f460b61b6daf66c4f048ac64a233e688c14605e0b81acd5a78fc72d1",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "810b00506e339f46cccd3a0939ccca814db23fe91a66b80b38c7aeefaf9075e1",
+        "saving_lib._load_state": "f9a09e8bdef97ded3812f4fd132bcd0e6b679e95b3e41a1925efb48b3c8a47fe",
+        "saving_lib._save_container_state": "ffa18707ab6eb9e238a7f7fdbe408572eaf29377a109865fd18082c1dc0bed0b",
+        "saving_lib._load_container_state": "47665768533bb81572b23c4b140a1fa0d78cfc74ca19f95407931870f7bdd819",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "1dc95c2a327ae1afa250cf7567d71aeefd8b1d530f8747fca3eb74b8672161d2",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "1b3d7d9721224c19736415b5a46263130245e9861b596a4da7b2e139f18de767",
     },
     "3.15.0": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -204,6 +283,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "f54360566fb57a08bc28a3c1f5c546ff7240686971fd9a37ff3a5572fe2302da",
+        "KerasVariable.__init__": "bee8bb8c0f2f19874bbfb4372436ec53a5c2095acc7c04ed4e5895667f7b53ab",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "472e9cc9267e3c4b23f189a8fc2179d3cd3d21d5270a4cce9e98415e383a2347",
+        "saving_lib._load_state": "c4fd8eeccf65d665b0d4a850330d9a9a15f57e48cf848171a2a3f299223a359b",
+        "saving_lib._save_container_state": "2ef3b8c0ca3bedec291487f07c3671be6e310c006f2cfd847f20361bb990e618",
+        "saving_lib._load_container_state": "d8d39c09bf555c5346739f3c4bb9029d63801f6558fb8f20cbb733ca3d466147",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "1dc95c2a327ae1afa250cf7567d71aeefd8b1d530f8747fca3eb74b8672161d2",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
     },
     "3.15.1": {
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
@@ -233,6 +328,22 @@ _KERAS_SHA256 = {
         "CSVLogger.on_train_begin": "9e604039df27fad346c950dbcf41b818075930fadf5b5d23393fa1426f98047a",
         "TensorBoard.set_model": "36b4c489a66848e9735cc404790901994e4bd95dbce665b08482217304602c57",
         "BackupAndRestore.__init__": "f54360566fb57a08bc28a3c1f5c546ff7240686971fd9a37ff3a5572fe2302da",
+        "KerasVariable.__init__": "bee8bb8c0f2f19874bbfb4372436ec53a5c2095acc7c04ed4e5895667f7b53ab",
+        "KerasVariable._deferred_initialize": "d6504e943343be80eaee871624fa52e280731b0404af8b893ef5b1980311ab4b",
+        "register_uninitialized_variable": "473e41127dcc434d06c7328c5d7d0bcece8f0cabdba055b24d34fae4bcc70736",
+        "initialize_all_variables": "90281763368f6b4f90a7f960ebc810141f2bbdbc3ec1ce845e8644f8afaa9631",
+        "StatelessScope.__exit__": "63ede0e0a21c1b74284151e0d9a8db293a36b60d65c97a3433a99d23c828cc0c",
+        "global_state.get_global_attribute": "d39da35cc653dfaac547c8ee1667e9d9d86c9d97cc90d208ffbcc09caf970611",
+        "global_state.set_global_attribute": "f31774cabee5ad63ca48848d1066bd0cbdca14c971068df298d19b601e1bfa66",
+        "saving_lib._walk_saveable": "c71ae4a33956e66e58381e4f3b3cca8a5bcc041b732ce8daac6ee925be3d5190",
+        "saving_lib._save_state": "472e9cc9267e3c4b23f189a8fc2179d3cd3d21d5270a4cce9e98415e383a2347",
+        "saving_lib._load_state": "6dcef2082c1d2c75e2ee8da8b5b9d087f18fa0062fc75271b3f2c72d42d51af5",
+        "saving_lib._save_container_state": "2ef3b8c0ca3bedec291487f07c3671be6e310c006f2cfd847f20361bb990e618",
+        "saving_lib._load_container_state": "0eba305c852b5dd831b5d5573a67c8291a7ec468cb25dcc567f46be702b87368",
+        "H5IOStore.make": "f83bd5e1bcc865333e9a789c8033d0b97ad7fdeec61fff993a87986ac15bfe6c",
+        "H5IOStore.get": "1dc95c2a327ae1afa250cf7567d71aeefd8b1d530f8747fca3eb74b8672161d2",
+        "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
+        "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
     },
 }
 
@@ -313,6 +424,62 @@ def test_private_keras_attributes_exist():
         deferred = keras.layers.Dense(2)
         deferred.build((None, 3))
     assert callable(keras_api.deferred_initializer(deferred.kernel))
+    assert keras_api.is_uninitialized(deferred.kernel)  # reads `_value`
+    assert not keras_api.is_uninitialized(model.weights[0])
+
+
+def test_keep_uninitialized_empties_the_queue():
+    # What FullyShard relies on: variables created in a StatelessScope are
+    # queued in global_state's "uninitialized_variables" and allocated by the
+    # next outermost scope that initialises; keep_uninitialized takes them out.
+    with keras.StatelessScope(initialize_variables=False):
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+    keras_api.keep_uninitialized(layer.variables)
+    with keras.StatelessScope():
+        pass
+    assert all(keras_api.is_uninitialized(v) for v in layer.variables)
+    with keras.StatelessScope(initialize_variables=False):
+        queued = keras.layers.Dense(2)
+        queued.build((None, 3))
+    with keras.StatelessScope():
+        pass  # the control: without keep_uninitialized they are allocated
+    assert not any(keras_api.is_uninitialized(v) for v in queued.variables)
+
+
+def test_private_saving_helpers(tmp_path):
+    # weights_store_path reads the H5 store's `_h5_entry_path` (set by
+    # make/get); save_children/load_children call saving_lib's walkers.
+    from keras_comm._private.keras_api import _saving_lib
+
+    lib = _saving_lib()
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    path = tmp_path / "w.weights.h5"
+    store = lib.H5IOStore(path, mode="w")
+    try:
+        assert keras_api.weights_store_path(store.make("outer/inner")) == "outer/inner"
+        keras_api.save_children(inner, store, "outer/inner")
+    finally:
+        store.close()
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    store = lib.H5IOStore(path, mode="r")
+    try:
+        assert keras_api.weights_store_path(store.get("outer/inner")) == "outer/inner"
+        keras_api.load_children(other, store, "outer/inner")
+    finally:
+        store.close()
+    for a, b in zip(inner.get_weights(), other.get_weights()):
+        assert (a == b).all()
+    with pytest.raises(TypeError, match="H5 weights store"):
+        keras_api.weights_store_path(object())
+    # A mismatch is raised, not recorded and dropped.
+    wrong = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    store = lib.H5IOStore(path, mode="r")
+    try:
+        with pytest.raises(ValueError):
+            keras_api.load_children(wrong, store, "outer/inner")
+    finally:
+        store.close()
 
 
 def test_private_tensorflow_attributes_exist():
@@ -339,7 +506,8 @@ _PRIVATE_ATTRS = (
     "_make_function", "_maybe_symbolic_build", "_get_current_learning_rate",
     "_clip_gradients", "_use_weight_decay", "_learning_rate", "_distribute_strategy",
     "_symbolic_build", "_value_specs", "_get_iterator", "_all_reduce_sum_gradients",
-    "_autoconvert_optionals", "_initializer",
+    "_autoconvert_optionals", "_initializer", "_h5_entry_path", "_walk_saveable",
+    "_save_state", "_load_state", "_save_container_state", "_load_container_state",
 )
 _PRIVATE_CODE = re.compile(
     r"keras \. src|tensorflow \. python|\. (" + "|".join(_PRIVATE_ATTRS) + r")\b"

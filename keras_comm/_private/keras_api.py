@@ -289,16 +289,6 @@ def uses_weight_decay(optimizer, variable):
     return optimizer._use_weight_decay(variable)
 
 
-def deferred_initializer(variable):
-    """The initializer of a Keras variable created in a `keras.StatelessScope`.
-
-    Such a variable holds no value (Keras defers it); `keras_comm.parallel.Pipeline`
-    builds its stages that way, so that no replica allocates every stage,
-    and computes each stage's initial values from these initializers.
-    """
-    return variable._initializer
-
-
 # --- Layers under construction -------------------------------------------------
 
 
@@ -340,8 +330,13 @@ def is_uninitialized(variable):
 def deferred_initializer(variable):
     """The initializer an uninitialised Keras variable will be created with.
 
-    `FullyShard` computes each replica's shard from it (seeded alike on every
-    worker) instead of ever creating the full variable.
+    A variable created in a `keras.StatelessScope` holds no value (Keras
+    defers it and keeps the initializer until `_deferred_initialize`).
+    `keras_comm.parallel.Pipeline` builds its stages that way, so that no
+    replica allocates every stage, and computes each stage's initial values
+    from these initializers; `FullyShard` computes each replica's shard from
+    it (seeded alike on every worker) instead of ever creating the full
+    variable.
     """
     return variable._initializer
 
@@ -370,7 +365,11 @@ def weights_store_path(store):
 
 def save_children(layer, store, path):
     """Saves `layer`'s sublayers' state below `path`, as Keras's
-    `saving_lib._save_state` does after a layer's own variables."""
+    `saving_lib._save_state` does after a layer's own variables.
+
+    Keras 3.10-3.11 and 3.13-3.14 also descend into `set` attributes here;
+    3.12 and 3.15 (and this mirror) do not.
+    """
     lib = _saving_lib()
     visited = {id(layer)}
     for attr, child in lib._walk_saveable(layer):
@@ -382,15 +381,27 @@ def save_children(layer, store, path):
 
 
 def load_children(layer, store, path):
-    """Loads `layer`'s sublayers' state from below `path` (`save_children`'s inverse)."""
+    """Loads `layer`'s sublayers' state from below `path` (`save_children`'s inverse).
+
+    Passes a set and a dict for the failures, as Keras's own loaders do, and
+    raises the first failure: Keras 3.10 and 3.11's `_load_state` test
+    membership in `failed_saveables` unconditionally (None is a TypeError
+    there), and with a set it records a failing saveable instead of raising.
+    """
     lib = _saving_lib()
     visited = {id(layer)}
+    failed, errors = set(), {}
     for attr, child in lib._walk_saveable(layer):
         child_path = f"{path}/{attr}" if path else attr
         if isinstance(child, _keras_saveable()):
-            lib._load_state(child, store, None, child_path, False, visited, None, None)
+            lib._load_state(child, store, None, child_path, False, visited, failed, errors)
         elif isinstance(child, (list, dict, tuple)):
-            lib._load_container_state(child, store, None, child_path, False, visited, None, None)
+            lib._load_container_state(
+                child, store, None, child_path, False, visited, failed, errors
+            )
+    if failed:
+        _, error = errors[next(iter(failed))]
+        raise error
 
 
 def _keras_saveable():
@@ -412,14 +423,34 @@ def relied_on():
     `_get_metrics_result_or_logs`), `predict`'s cross-worker concat, the
     loss reduction that `_unknown_if_empty` works around, and the optimizer
     update the gradient hook feeds.
+
+    Uninitialised variables (`keep_uninitialized`, `is_uninitialized`,
+    `deferred_initializer`; FullyShard and Pipeline): `KerasVariable.__init__`
+    is what leaves `_value` None and keeps `_initializer` inside a
+    `StatelessScope` and queues the variable with
+    `register_uninitialized_variable`; `StatelessScope.__exit__` and
+    `initialize_all_variables` are what would allocate the queue (which
+    `keep_uninitialized` edits through `global_state`), and
+    `KerasVariable._deferred_initialize` is what would consume `_initializer`.
+
+    Checkpoints by structure (`weights_store_path`, `save_children`,
+    `load_children`; FullyShard): `saving_lib`'s `_walk_saveable`,
+    `_save_state`, `_load_state`, `_save_container_state` and
+    `_load_container_state` are called with their positional signatures and
+    mirrored (the child-path scheme); `H5IOStore.make` / `.get` and their
+    `ShardedH5IOStore` overrides are what set the `_h5_entry_path` read.
     """
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common import stateless_scope
     from keras.src.backend.common import symbolic_scope
+    from keras.src.backend.common import variables as common_variables
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.losses import loss as loss_module
     from keras.src.optimizers import base_optimizer
     from keras.src.trainers import trainer as base_trainer
 
     optimizer = _optimizer_class()
+    saving_lib = _saving_lib()
     trainer = base_trainer.Trainer
     out = {
         f"TensorFlowTrainer.{name}": trainer_method(name) for name in TRAINER_METHODS
@@ -453,6 +484,24 @@ def relied_on():
         "CSVLogger.on_train_begin": keras.callbacks.CSVLogger.on_train_begin,
         "TensorBoard.set_model": keras.callbacks.TensorBoard.set_model,
         "BackupAndRestore.__init__": keras.callbacks.BackupAndRestore.__init__,
+        # Uninitialised variables (FullyShard, Pipeline).
+        "KerasVariable.__init__": common_variables.Variable.__init__,
+        "KerasVariable._deferred_initialize": common_variables.Variable._deferred_initialize,
+        "register_uninitialized_variable": common_variables.register_uninitialized_variable,
+        "initialize_all_variables": common_variables.initialize_all_variables,
+        "StatelessScope.__exit__": stateless_scope.StatelessScope.__exit__,
+        "global_state.get_global_attribute": global_state.get_global_attribute,
+        "global_state.set_global_attribute": global_state.set_global_attribute,
+        # Checkpoints by structure (FullyShard).
+        "saving_lib._walk_saveable": saving_lib._walk_saveable,
+        "saving_lib._save_state": saving_lib._save_state,
+        "saving_lib._load_state": saving_lib._load_state,
+        "saving_lib._save_container_state": saving_lib._save_container_state,
+        "saving_lib._load_container_state": saving_lib._load_container_state,
+        "H5IOStore.make": saving_lib.H5IOStore.make,
+        "H5IOStore.get": saving_lib.H5IOStore.get,
+        "ShardedH5IOStore.make": saving_lib.ShardedH5IOStore.__dict__.get("make"),
+        "ShardedH5IOStore.get": saving_lib.ShardedH5IOStore.__dict__.get("get"),
     })
     return {name: fn for name, fn in out.items() if fn is not None}
 
