@@ -6,7 +6,7 @@ watchdog guard, the exact metric reduction and the error translation.
 `keras_comm.compat` installs it into Keras's trainer;
 `keras_comm.callbacks.ParallelOptimizer` asks it for its step functions.
 
-A *policy* decides what one replica does with one batch. Two exist:
+A *policy* decides what one replica does with one batch. Three exist:
 
 * `replicated`: every replica holds every weight; the exact replicated step
   (`model.fit`'s default `train_step`, made exact over the global batch).
@@ -14,6 +14,14 @@ A *policy* decides what one replica does with one batch. Two exist:
   (`ParallelOptimizer`); its state lives in `sharded_state`, its update maths
   in the pure `accumulate.apply_update`, its layout and packing maths in
   `sharding` (pure Python and TensorFlow, no collectives).
+* `pipeline` (imported on use: it needs `keras_comm.parallel`): the
+  interleaved 1F1B step of a model whose last layer is a 1F1B
+  `keras_comm.parallel.Pipeline`; `replicated.train_step` hands over to it.
+
+Fully sharded parameters (`keras_comm.parallel.FullyShard`, ZeRO-3) need no
+policy: the layer gathers its weights in its own forward and backward, and
+its shards' gradients leave reduce-scattered, so their gradient hook
+(step 2 below) has nothing left to reduce over the shard group.
 
 The plug-in contract. A policy provides replica steps, ``fn(data) -> logs``
 (or ``fn() -> tensor`` for a step without a batch), and compiles them only
@@ -30,19 +38,13 @@ through `step.make_function(model, fn)` or
 4. returns `Forward.metrics(model)`, computed after the update, as upstream
    Keras does; the step owner reduces the logs across replicas.
 
-Where future policies plug in:
+Where future work plugs in:
 
-* fully sharded parameters (ZeRO-3): a new policy whose replica step gathers
-  each layer's weights before `forward` and reduce-scatters after it, with
-  its state in a `sharded_state`-like class;
-* a pipeline executor: a policy whose replica step runs a schedule (a list
-  of forward/backward instructions) over micro-batches, compiled by
-  `step.make_function` like any other step;
-* non-trainable state sync (BatchNorm statistics): `nontrainable.sync(model)`,
-  a step after step 3 of the contract, in `replicated` and `accumulate`,
-  before the metrics (in place);
 * gradient bucketing or compression: `reduction` (the optimizer's path,
-  `all_reduce_sum_gradients`) and `accumulate._contribution`/`_update`.
+  `all_reduce_sum_gradients`) and `accumulate._contribution`/`_update`
+  (which already reduce in 16 MiB buckets);
+* taking the batch inside the compiled step (issue: the second-epoch
+  stall): `step.make_function`.
 """
 
 from keras_comm.training import accumulate
