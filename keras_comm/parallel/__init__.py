@@ -28,12 +28,12 @@ from keras_comm.parallel.sharded import shard_spec
 # Fully sharded layers; their full_weights / set_full_weights also handle the
 # tensor-parallel weights above (they replace those two names).
 from keras_comm.parallel.flat_shard import FlatShardSpec
-from keras_comm.parallel.fully_shard import Accumulation
-from keras_comm.parallel.fully_shard import FullyShard
-from keras_comm.parallel.fully_shard import full_weights  # noqa: F811
-from keras_comm.parallel.fully_shard import fully_shard
-from keras_comm.parallel.fully_shard import replica_state_bytes
-from keras_comm.parallel.fully_shard import set_full_weights  # noqa: F811
+from keras_comm.parallel.fully_sharded import Accumulation
+from keras_comm.parallel.fully_sharded import FullyShard
+from keras_comm.parallel.fully_sharded import full_weights  # noqa: F811
+from keras_comm.parallel.fully_sharded import fully_shard
+from keras_comm.parallel.fully_sharded import replica_state_bytes
+from keras_comm.parallel.fully_sharded import set_full_weights  # noqa: F811
 
 __all__ = [
     "ColumnParallelDense",

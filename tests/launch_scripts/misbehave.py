@@ -4,11 +4,12 @@ Usage: misbehave.py [--fail-rank R] [--exit-code C | --sigkill]
                     [--exit-on-term C] [--ignore-signals] [--sleep S]
 
 Every rank first writes {"pid": ...} and prints "ready". The failing rank
-waits until every rank has written its pid, so a test can check afterwards
+waits until every rank has written its pid in this attempt, so a test can check afterwards
 that the launcher stopped all of them.
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -32,15 +33,24 @@ if args.ignore_signals:
 if args.exit_on_term is not None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(args.exit_on_term))
 
+def _written(path, attempt):
+    try:
+        return json.loads(path.read_text()).get("attempt") == attempt
+    except (OSError, ValueError):  # not there yet, or being written
+        return False
+
+
 write_result({"pid": os.getpid(), "attempt": os.environ["KERAS_COMM_RESTART_ATTEMPT"]})
 print("ready", flush=True)
 
 if rank() == args.fail_rank:
     out_dir = Path(os.environ["KERAS_COMM_TEST_OUT"])
     world_size = int(os.environ["KERAS_COMM_WORLD_SIZE"])
+    attempt = os.environ["KERAS_COMM_RESTART_ATTEMPT"]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if all((out_dir / f"rank{r}.json").exists() for r in range(world_size)):
+        # This attempt's files: after a restart the last attempt's are still there.
+        if all(_written(out_dir / f"rank{r}.json", attempt) for r in range(world_size)):
             break
         time.sleep(0.05)
     print(f"rank {rank()} failing now", file=sys.stderr, flush=True)
