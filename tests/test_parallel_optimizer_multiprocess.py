@@ -45,15 +45,17 @@ def test_state_bytes_is_what_the_process_holds():
     # Two launches on 2 workers, zero_stage 1, identical but for the
     # optimizer: Adam (2 slots) and slot-less SGD. Their heap after fit
     # (RssAnon; TensorFlow's allocator keeps its peak) differs by
-    # what the process holds for Adam's state and nothing else, which
-    # state_bytes() must account for: this replica's shards of the 2 slots,
-    # W bytes for weights of W bytes (N = 2). Had Keras's own full-size
-    # slots stayed allocated, the difference would be 3 W. Tolerance: W / 2
-    # on the mean of the two workers, for what else differs -- Adam's update
-    # makes a few temporaries of one variable's shard (2 MB each here), SGD's
-    # one -- and the allocator's rounding and fragmentation, which moved a
-    # single worker's figure by up to 27 MB between launches (one op at a
-    # time, so the peak does not hinge on op overlap).
+    # what the process holds for Adam's state, which state_bytes() must
+    # account for: this replica's shards of the 2 slots, W bytes for weights
+    # of W bytes (N = 2). Had Keras's own full-size slots stayed allocated,
+    # the difference would be 3 W; had no slot been allocated, 0. On top of
+    # the state, Adam's update makes a few temporaries of one variable's
+    # shard (2 MB each here), and the allocator's rounding and fragmentation
+    # move a single worker's figure by up to 30 MB between launches: over 8
+    # launches (CI and a quiet 2-core machine) the mean of the two workers
+    # measured 1.0 W to 1.7 W. The bounds [W / 2, 2 W] hold for all of them
+    # and fail both for the full-slot copy (3 W) and for state that
+    # state_bytes() counts but the process never allocated.
     peaks, states = {}, {}
     for name in ("adam", "sgd"):
         result = run_cluster(
@@ -65,4 +67,4 @@ def test_state_bytes_is_what_the_process_holds():
     predicted = sum(states["adam"].values()) - sum(states["sgd"].values())
     assert predicted == states["adam"]["optimizer"] == weights  # 2 slots / 2 replicas
     measured = sum(a - b for a, b in zip(peaks["adam"], peaks["sgd"])) / 2
-    assert abs(measured - predicted) <= predicted / 2, (measured, predicted, peaks)
+    assert predicted / 2 <= measured <= 2 * predicted, (measured, predicted, peaks)
