@@ -343,6 +343,7 @@ class Pipeline(_common.ParallelLayer):
         self._shapes = shapes
         self._dtypes = dtypes
         self._layout = []
+        self._weight_shards = []  # per stage: a DeferredShard (tensor-parallel) or None per weight
         dtype = None
         for s, stage in enumerate(self._holder.items):
             if stage.non_trainable_variables:
@@ -353,6 +354,7 @@ class Pipeline(_common.ParallelLayer):
                     f"{[v.path for v in stage.non_trainable_variables]}"
                 )
             entries, offset = [], 0
+            self._weight_shards.append([self._check_stage_weight(s, v) for v in stage.trainable_variables])
             for v in stage.trainable_variables:
                 if dtype is None:
                     dtype = v.dtype
@@ -368,6 +370,7 @@ class Pipeline(_common.ParallelLayer):
         self._weight_dtype = dtype or "float32"
         sizes = [size for _, size in self._layout]
         length = sum(sizes) if n == 1 else max(sizes)
+        self._tp_axes = sorted({d.spec.mesh_axis for ws in self._weight_shards for d in ws if d is not None})
         self._buffer = self.add_weight(
             name=_BUFFER_NAME,
             shape=(max(length, 1),),
@@ -377,17 +380,143 @@ class Pipeline(_common.ParallelLayer):
         )
         reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
         sharded.register_composite(self._buffer, self)
-        if n > 1:
+        if n > 1 or self._tp_axes:
             # The buffer's optimizer slots (momentum, Adam moments) differ by
-            # stage like the buffer: saved gathered over the pipeline axis in
-            # the unsplit layout and loaded as each replica's own stage,
-            # never the chief's stage for all.
+            # stage (and tensor-parallel shard) like the buffer: saved
+            # gathered over the pipeline (and tensor) axes in the unsplit
+            # layout and loaded as each replica's own part, never the
+            # chief's part for all.
+            full_size = sum(int(np.prod(shape)) for shape in self._full_shapes())
             sharded.register_spec(
                 self._buffer,
-                _StageBufferSpec((sum(sizes),), 0, self.mesh, self.axis, n, tuple(sizes)),
+                _StageBufferSpec(
+                    (full_size,), 0, self.mesh, self.axis, self._gather_group(0).size,
+                    tuple(sizes), owner=self,
+                ),
             )
         self._assign_initial_values()
         self.built = True
+
+    def _check_stage_weight(self, s, v):
+        """Stage s's weight `v`: its `DeferredShard` if tensor-parallel, else None."""
+        if sharded.is_sharded(v):
+            raise ValueError(
+                f"Pipeline {self.name!r}: stage {s} holds the sharded weight {v.path!r}, "
+                "built before the pipeline. Pass tensor-parallel layers unbuilt: the "
+                "pipeline builds them and holds each replica's shard. Received: a built "
+                f"stage {s}"
+            )
+        d = sharded.deferred_shard(v)
+        if d is not None and (self.mesh is None or d.spec.mesh != self.mesh or d.spec.mesh_axis == self.axis):
+            raise ValueError(
+                f"Pipeline {self.name!r}: the tensor-parallel weight {v.path!r} of stage {s} "
+                f"must be split over an axis of the pipeline's mesh other than {self.axis!r} "
+                "(its members then run the same stage at the same time). Received: "
+                f"mesh={d.spec.mesh!r}, axis={d.spec.mesh_axis!r} for the pipeline's "
+                f"mesh={self.mesh!r}"
+            )
+        return d
+
+    def _full_shapes(self):
+        """Every stage weight's full (unsplit) shape, stage 0's first."""
+        return [
+            tuple(d.spec.full_shape) if d is not None else tuple(shape)
+            for (entries, _), shards in zip(self._layout, self._weight_shards)
+            for (shape, _, _), d in zip(entries, shards)
+        ]
+
+    def _coordinate(self, rank, axis):
+        mesh = self._built_mesh
+        return mesh.coordinates(rank)[mesh.axes.index(axis)]
+
+    def _fixed_axes_group(self, rank, fixed):
+        """The ranks sharing `rank`'s coordinates on the axes `fixed`."""
+        mesh = self._built_mesh
+        mine = mesh.coordinates(rank)
+        idx = [mesh.axes.index(a) for a in fixed]
+        return topology.Group(
+            [r for r in range(mesh.size) if all(mesh.coordinates(r)[i] == mine[i] for i in idx)]
+        )
+
+    def _gather_group(self, rank=None):
+        """The replicas that together hold every stage weight once, with `rank`.
+
+        The pipeline axis and the stages' tensor-parallel axes vary; every
+        other axis (data) is `rank`'s.
+        """
+        rank = topology.rank() if rank is None else rank
+        varying = {self.axis, *self._tp_axes}
+        return self._fixed_axes_group(rank, [a for a in self._built_mesh.axes if a not in varying])
+
+    def _stage_offset(self, s, rank):
+        return sum(self._layout[h][1] for h in self._held_stages(rank)[: self._held_stages(rank).index(s)])
+
+    def _unsplit(self, rows):
+        """Full stage weights (the unsplit order) from ``{rank: flat buffer}``."""
+        ranks = sorted(rows)
+        out = []
+        for s, ((entries, _), shards) in enumerate(zip(self._layout, self._weight_shards)):
+            holders = [r for r in ranks if s in self._held_stages(r)]
+
+            def piece(r, off, size, shape):
+                start = self._stage_offset(s, r) + off
+                return np.reshape(rows[r][start : start + size], shape).copy()
+
+            for (shape, off, size), d in zip(entries, shards):
+                if d is None:
+                    out.append(piece(holders[0], off, size, shape))
+                    continue
+                by_coordinate = {}
+                for r in holders:
+                    by_coordinate.setdefault(self._coordinate(r, d.spec.mesh_axis), r)
+                out.append(np.concatenate(
+                    [piece(by_coordinate[j], off, size, shape) for j in range(d.spec.num_shards)],
+                    axis=d.spec.shard_axis,
+                ))
+        return out
+
+    def _replica_flat(self, full_by_stage, rank):
+        """Replica `rank`'s buffer from full stage weights ``{stage: [arrays]}``."""
+        length = int(self._buffer.shape[0])
+        parts = []
+        for s in self._held_stages(rank):
+            for value, d in zip(full_by_stage[s], self._weight_shards[s]):
+                if d is not None:
+                    value = d.spec.slice(np.asarray(value), self._coordinate(rank, d.spec.mesh_axis))
+                parts.append(np.ravel(value))
+        flat = np.concatenate(parts) if parts else np.zeros([0])
+        return np.pad(flat, (0, length - flat.size)).astype(self._weight_dtype)
+
+    def _by_stage(self, values):
+        """``{stage: [arrays]}`` from a flat list in the unsplit order."""
+        values, out = list(values), {}
+        for s, (entries, _) in enumerate(self._layout):
+            out[s], values = values[: len(entries)], values[len(entries) :]
+        return out
+
+    def _reduction_parts(self, rank):
+        """``[(group, mask or None)]``: how `rank`'s buffer gradient is reduced.
+
+        A plain stage weight's gradient is summed over every replica running
+        the stage; a tensor-parallel shard's over the replicas running the
+        stage with the same shard (its data group). One part (mask None)
+        without tensor parallelism.
+        """
+        length = int(self._buffer.shape[0])
+        masks = {}
+        start = 0
+        for s in self._held_stages(rank):
+            entries, size = self._layout[s]
+            for (shape, off, n), d in zip(entries, self._weight_shards[s]):
+                key = (self.axis,) if d is None else (self.axis, d.spec.mesh_axis)
+                masks.setdefault(key, np.zeros(length, np.bool_))[start + off : start + off + n] = True
+            start += size
+        plain = (self.axis,)
+        if set(masks) <= {plain}:
+            return [(self._fixed_axes_group(rank, plain), None)]
+        covered = np.any(list(masks.values()), axis=0)
+        masks.setdefault(plain, np.zeros(length, np.bool_))[~covered] = True  # the padding
+        return [(self._fixed_axes_group(rank, key), masks[key]) for key in sorted(masks)]
 
     def _output_spec(self, s, stage, shape, dtype):
         try:
@@ -411,6 +540,10 @@ class Pipeline(_common.ParallelLayer):
         """Stage s's initial weights (numpy), the same on every worker."""
         values = []
         for k, v in enumerate(self._holder.items[s].trainable_variables):
+            d = self._weight_shards[s][k]
+            if d is not None:  # tensor-parallel: the full weight, sliced per replica
+                values.append(d.full_value(v.dtype))
+                continue
             if keras_api.tf_variable(v) is not None:  # a stage built before
                 values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
                 continue
@@ -430,12 +563,6 @@ class Pipeline(_common.ParallelLayer):
             return list(range(self.num_stages))
         return [mesh.coordinates(rank)[mesh.axes.index(self.axis)]]
 
-    def _flat(self, stage_values_by_stage, held):
-        length = int(self._buffer.shape[0])
-        parts = [np.ravel(v) for s in held for v in stage_values_by_stage[s]]
-        flat = np.concatenate(parts) if parts else np.zeros([0])
-        return np.pad(flat, (0, length - flat.size)).astype(self._weight_dtype)
-
     def _assign_initial_values(self):
         comps = sharded._components(self._buffer)
         ranks = sharded._local_ranks(len(comps), sharded._strategy_of([self._buffer]))
@@ -449,16 +576,23 @@ class Pipeline(_common.ParallelLayer):
         ranks = sharded._local_ranks(len(comps), strategy)
         with tf.init_scope(), strategy.scope():
             for r, c in zip(ranks, comps):
-                c.assign(self._flat(values, self._held_stages(r)))
+                c.assign(self._replica_flat(values, r))
 
     def _reduce_gradient(self, grad):
-        """Replica context: SUM over the replicas running the same stage."""
+        """Replica context: SUM over the replicas running the same stage.
+
+        (A tensor-parallel shard's part: over those holding the same shard.)
+        """
         if grad is None:
             return grad
-        group = mesh_lib.runtime_mesh(self.mesh, self.axis).other_axes_group(self.axis)
-        if group.size == 1:
-            return grad
-        return ops.all_reduce(grad, group=group, timeout=self.timeout, name=f"{self.name}_grad")
+        mesh_lib.runtime_mesh(self.mesh, self.axis)  # checks the world
+        out = []
+        for group, mask in self._reduction_parts(topology.rank()):
+            part = grad if mask is None else grad * tf.constant(mask, grad.dtype)
+            if group.size > 1:
+                part = ops.all_reduce(part, group=group, timeout=self.timeout, name=f"{self.name}_grad")
+            out.append(part)
+        return tf.add_n(out) if len(out) > 1 else out[0]
 
     # -- computing a stage ---------------------------------------------------------
 
@@ -566,33 +700,18 @@ class Pipeline(_common.ParallelLayer):
         """
         comps = sharded._components(self._buffer)
         strategy = sharded._strategy_of([self._buffer])
-        n = self._built_mesh.axis_size(self.axis)
-        if n == 1 or strategy.num_replicas_in_sync == 1:
-            flat = comps[0].numpy()
-            by_stage = [self._split(flat, list(range(self.num_stages)))]
-        else:
+        ranks = sharded._local_ranks(len(comps), strategy)
+        if strategy.num_replicas_in_sync == 1 or self._gather_group(ranks[0]).size == 1:
+            return self._unsplit({ranks[0]: comps[0].numpy()})
 
-            def replica_fn():
-                value = tf.identity(keras_api.tf_variable(self._buffer))
-                group = self._built_mesh.group(self.axis)
-                return ops.all_gather(value[None], group=group, name=f"{self.name}_full")
+        def replica_fn():
+            value = tf.identity(keras_api.tf_variable(self._buffer))
+            return ops.all_gather(value[None], group=self._gather_group(), name=f"{self.name}_full")
 
-            with strategy.scope():
-                out = tf.function(lambda: strategy.run(replica_fn))()
-            gathered = np.asarray(strategy.experimental_local_results(out)[0])
-            by_stage = [self._split(gathered[s], [s]) for s in range(self.num_stages)]
-        return [v for stage in by_stage for v in stage]
-
-    def _split(self, flat, held):
-        out, start = [], 0
-        for s in held:
-            entries, size = self._layout[s]
-            out += [
-                np.reshape(flat[start + off : start + off + n], shape).copy()
-                for shape, off, n in entries
-            ]
-            start += size
-        return out
+        with strategy.scope():
+            out = tf.function(lambda: strategy.run(replica_fn))()
+        gathered = np.asarray(strategy.experimental_local_results(out)[0])
+        return self._unsplit(dict(zip(self._gather_group(ranks[0]).ranks, gathered)))
 
     def full_value_count(self):
         return sum(len(entries) for entries, _ in self._layout)
@@ -606,10 +725,11 @@ class Pipeline(_common.ParallelLayer):
                 f"Received: {len(values)} values"
             )
         by_stage, k = {}, 0
+        shapes = self._full_shapes()
         for s, (entries, _) in enumerate(self._layout):
             stage_values = []
-            for shape, _, _ in entries:
-                v = np.asarray(values[k])
+            for _ in entries:
+                v, shape = np.asarray(values[k]), shapes[k]
                 if tuple(v.shape) != tuple(shape):
                     raise ValueError(
                         f"Pipeline {self.name!r}: stage {s}'s weight {len(stage_values)} has "
@@ -654,20 +774,36 @@ class _StageBufferSpec(sharded.ShardSpec):
     """
 
     sizes: tuple = ()
+    owner: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def shard_shape(self):
-        return (max(self.sizes),)
+        return tuple(self.owner._buffer.shape)
+
+    def model_group(self, rank=None):
+        # The replicas holding the stages (and their tensor-parallel shards).
+        return self.owner._gather_group(rank)
+
+    def shard_index(self, rank):
+        return rank  # `slice` cuts replica `rank`'s part
 
     def to_full(self, gathered):
-        width = max(self.sizes)
-        gathered = np.asarray(gathered)
-        return np.concatenate([gathered[s * width : s * width + k] for s, k in enumerate(self.sizes)])
+        owner = self.owner
+        comps = sharded._components(owner._buffer)
+        first = sharded._local_ranks(len(comps), sharded._strategy_of([owner._buffer]))[0]
+        group = owner._gather_group(first)  # the checkpoint reads the first local replica's gather
+        rows = np.reshape(np.asarray(gathered), (group.size, -1))
+        return np.concatenate([np.ravel(v) for v in owner._unsplit(dict(zip(group.ranks, rows)))])
 
     def slice(self, full, index):
-        start = sum(self.sizes[:index])
-        own = np.asarray(full)[start : start + self.sizes[index]]
-        return np.pad(own, (0, max(self.sizes) - self.sizes[index]))
+        owner = self.owner
+        full, values = np.asarray(full), []
+        start = 0
+        for shape in owner._full_shapes():
+            size = int(np.prod(shape))
+            values.append(np.reshape(full[start : start + size], shape))
+            start += size
+        return owner._replica_flat(owner._by_stage(values), index)
 
 
 class _Hidden:
