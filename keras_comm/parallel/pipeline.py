@@ -270,9 +270,13 @@ class Pipeline(_common.ParallelLayer):
                 "`stages` must be a list of at least 2 Keras layers or models. "
                 f"Received: stages={stages!r}"
             )
-        stages = [
-            keras.saving.deserialize_keras_object(s) if isinstance(s, dict) else s for s in stages
-        ]
+        # A saved stage may be built by Keras's deserialization (its build
+        # config): without allocating its weights, as `build` would.
+        with keras.StatelessScope(initialize_variables=False):
+            stages = [
+                keras.saving.deserialize_keras_object(s) if isinstance(s, dict) else s
+                for s in stages
+            ]
         for i, s in enumerate(stages):
             if not isinstance(s, keras.layers.Layer):
                 raise TypeError(
@@ -399,14 +403,14 @@ class Pipeline(_common.ParallelLayer):
 
     def _check_stage_weight(self, s, v):
         """Stage s's weight `v`: its `DeferredShard` if tensor-parallel, else None."""
-        if sharded.is_sharded(v):
+        d = sharded.deferred_shard(v)
+        if d is None and sharded.is_sharded(v):
             raise ValueError(
                 f"Pipeline {self.name!r}: stage {s} holds the sharded weight {v.path!r}, "
                 "built before the pipeline. Pass tensor-parallel layers unbuilt: the "
                 "pipeline builds them and holds each replica's shard. Received: a built "
                 f"stage {s}"
             )
-        d = sharded.deferred_shard(v)
         if d is not None and (self.mesh is None or d.spec.mesh != self.mesh or d.spec.mesh_axis == self.axis):
             raise ValueError(
                 f"Pipeline {self.name!r}: the tensor-parallel weight {v.path!r} of stage {s} "

@@ -143,7 +143,10 @@ _tf_variable = keras_api.tf_variable
 
 def shard_spec(variable):
     """The `ShardSpec` of `variable`, or None if it is not sharded."""
-    return _specs.get(id(_tf_variable(variable)))
+    spec = _specs.get(id(_tf_variable(variable)))
+    if spec is None and id(variable) in _deferred:  # a Pipeline stage's shard
+        spec = _deferred[id(variable)].spec
+    return spec
 
 
 def is_sharded(variable):
