@@ -66,17 +66,20 @@ def _check_exact(model, ref, x, y, batch):
     )
 
 
-# (p, m, schedule, layers after the pipeline): 1F1B with the pipeline last
-# runs the interleaved training step; with a layer after it, the layer's
-# (GPipe-order) path.
+# (p, m, schedule, layers after the pipeline), one case per code path (the
+# schedules' tables themselves -- every p, m, both schedules -- are checked
+# by simulation in test_schedules.py; p = 2 with m = 1, 4, 8, p = 4 with
+# both schedules and the 1F1B table as a layer run on real workers in
+# test_pipeline_multiprocess.py):
 GRID = [
-    (2, 1, "gpipe", False),
-    (2, 4, "1f1b", False),  # m = 8 runs on real workers (test_pipeline_multiprocess)
-    (2, 4, "gpipe", True),
-    (3, 2, "1f1b", False),
-    (3, 4, "1f1b", True),
-    (4, 4, "gpipe", False),
-    (4, 2, "1f1b", False),
+    # The 1F1B training step (training/pipeline.py): a steady state (m >= p,
+    # backward 0 before forward p) and a middle stage that receives and
+    # sends both activations and gradients.
+    (3, 4, "1f1b", False),
+    # The layer's path (forward half in call, backward half as its custom
+    # gradient), with a middle stage and a layer after the pipeline whose
+    # gradient enters the backward half.
+    (3, 2, "gpipe", True),
 ]
 
 
@@ -128,15 +131,11 @@ def test_each_replica_holds_only_its_stage():
         assert not comps[s][flat.size :].any()
 
 
-def test_pipeline_composes_with_data_parallel_on_a_mesh():
-    # 2 pipeline stages x 2 data replicas: a stage's gradients are reduced
-    # over its data group only.
-    mesh = Mesh((2, 2), ("data", "pipeline"))
-    strategy = make_strategy(4)
-    # (Both schedules on a 2 x 2 mesh of real workers: test_pipeline_multiprocess.py.)
-    model, ref = _models(2, 2, "1f1b", strategy, mesh=mesh)
-    x, y = _data(16, WIDTHS[1])
-    _check_exact(model, ref, x, y, batch=16)
+# Pipeline x data parallel (a stage's gradient reduced over its data group
+# only): in process through the layer's path in
+# test_parallel_optimizer_accumulates_and_shards_with_a_pipeline and
+# test_batch_normalization_statistics_agree_over_the_stages_data_group; the
+# 1F1B step on a 2 x 2 mesh of real workers (test_pipeline_multiprocess.py).
 
 
 def _tp_models(mesh, schedule, m):
