@@ -246,8 +246,14 @@ class Pipeline(_common.ParallelLayer):
 
     Args:
         stages: a list of p >= 2 Keras layers or models (unbuilt, or built
-            for the shapes they receive). Stages must have trainable
-            weights of one dtype and no non-trainable weights.
+            for the shapes they receive). Stage weights share one dtype. A
+            stage may hold tensor-parallel layers (unbuilt, split over
+            another axis of `mesh`: the buffer then holds this replica's
+            shard) and non-trainable float state such as
+            BatchNormalization's moving statistics (a second per-replica
+            buffer, ``stage_state``, advanced micro-batch by micro-batch
+            and averaged over the replicas running the stage after each
+            step).
         num_micro_batches: m >= 1; must divide the group's batch (the sum
             of the group members' batch sizes).
         schedule: "1f1b" or "gpipe".
@@ -265,8 +271,9 @@ class Pipeline(_common.ParallelLayer):
         ValueError: fewer than 2 stages, a bad `num_micro_batches` or
             `schedule`; at build: a stage count that does not fit the axis,
             consecutive stages whose shapes do not match, a known batch not
-            divisible into micro-batches, stages with non-trainable weights
-            or mixed dtypes.
+            divisible into micro-batches, stages with integer non-trainable
+            state (Dropout's seed) or mixed dtypes, tensor-parallel layers
+            on another mesh or built before.
     """
 
     def __init__(
