@@ -280,6 +280,8 @@ def main(argv=None):
     parser.add_argument("--params", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true",
                         help="instead: peak RSS of GPipe vs 1F1B at m=8 (one job per schedule)")
+    parser.add_argument("--memory-batch", type=int, default=8192,
+                        help="global batch of --memory (activations per micro-batch grow with it)")
     args = parser.parse_args(argv)
     if args.memory and not args.worker:
         return memory_main(args)
@@ -313,7 +315,7 @@ def memory_main(args):
     rows = []
     for schedule in ("gpipe", "1f1b", "gpipe", "1f1b"):  # twice each, alternating
         tag = out_dir / f"memory_{schedule}_{len(rows)}"
-        params = {"memory": {"schedule": schedule}}
+        params = {"memory": {"schedule": schedule, "batch": args.memory_batch}}
         code = launch.run(["-m", "benchmarks.pipeline", "--worker", str(tag), "--params", json.dumps(params)],
                           p, timeout=1800, env=env)
         for r in range(p):
