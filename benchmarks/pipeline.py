@@ -35,6 +35,18 @@ import time
 from pathlib import Path
 
 MICRO_BATCHES = (1, 2, 4, 8)
+# Set by the worker functions: a collective every worker calls after writing
+# its result. Without it a worker that finished first exits, the chief's
+# coordination service sees it stop heartbeating and aborts the chief
+# before it writes (the missing-rank result seen before).
+_BARRIER = []
+
+
+def _set_barrier(strategy):
+    import tensorflow as tf
+
+    _BARRIER[:] = [lambda: strategy.reduce(
+        tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)]
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -50,6 +62,7 @@ def measure(width=256, batch=256, steps=5, rounds=3, micro_batches=MICRO_BATCHES
     from keras_comm.parallel import Pipeline
     from keras_comm.parallel import schedules
 
+    _set_barrier(strategy)
     p = strategy.num_replicas_in_sync
     rank = strategy.cluster_resolver.task_id or 0
     rng = np.random.default_rng(0)
@@ -144,6 +157,7 @@ def measure_memory(schedule, width=1024, batch=8192, micro_batches=8, layers=4, 
     from keras_comm.parallel import Pipeline
     from keras_comm.parallel import schedules
 
+    _set_barrier(strategy)
     p = strategy.num_replicas_in_sync
     rank = strategy.cluster_resolver.task_id or 0
     x = np.random.default_rng(0).normal(size=(batch, width)).astype("float32")
@@ -266,6 +280,8 @@ def main(argv=None):
     parser.add_argument("--params", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true",
                         help="instead: peak RSS of GPipe vs 1F1B at m=8 (one job per schedule)")
+    parser.add_argument("--memory-batch", type=int, default=8192,
+                        help="global batch of --memory (activations per micro-batch grow with it)")
     args = parser.parse_args(argv)
     if args.memory and not args.worker:
         return memory_main(args)
@@ -274,6 +290,8 @@ def main(argv=None):
         params = json.loads(args.params)
         result = measure_memory(**params["memory"]) if "memory" in params else measure(**params)
         Path(f"{args.worker}.rank{result['rank']}.json").write_text(json.dumps(result))
+        for barrier in _BARRIER:
+            barrier()
         return 0
     params = dict(width=args.width, batch=args.batch, steps=args.steps, rounds=args.rounds)
     result = run_all(args.workers, args.out, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])}, **params)
@@ -297,7 +315,7 @@ def memory_main(args):
     rows = []
     for schedule in ("gpipe", "1f1b", "gpipe", "1f1b"):  # twice each, alternating
         tag = out_dir / f"memory_{schedule}_{len(rows)}"
-        params = {"memory": {"schedule": schedule}}
+        params = {"memory": {"schedule": schedule, "batch": args.memory_batch}}
         code = launch.run(["-m", "benchmarks.pipeline", "--worker", str(tag), "--params", json.dumps(params)],
                           p, timeout=1800, env=env)
         for r in range(p):

@@ -1,9 +1,10 @@
 """Pipeline parallelism: a 4-block digits classifier split into stages, trained with model.fit.
 
-Run it on 4 local worker processes (one block per stage), or on 2 (two
-blocks per stage):
+Run it on 4 local worker processes (one block per stage), on 3 (1, 1 and 2
+blocks: stages of unequal size) or on 2 (two blocks per stage):
 
     keras-comm-run -n 4 examples/pipeline.py --micro-batches 4
+    keras-comm-run -n 3 examples/pipeline.py --micro-batches 4 --batch-size 48
     keras-comm-run -n 2 examples/pipeline.py --micro-batches 4 --schedule gpipe
 
 `keras_comm.parallel.Pipeline(stages, num_micro_batches, schedule)` is one
@@ -55,14 +56,15 @@ def compile_model(model, learning_rate):
 
 
 def build_pipeline_model(hidden, num_stages, micro_batches, schedule, learning_rate):
-    """The 4 blocks as `num_stages` stages (each a Sequential of 4 / num_stages blocks)."""
+    """The 4 blocks as `num_stages` stages (Sequentials of consecutive blocks, as equal as can be)."""
     import keras
 
     import keras_comm.parallel
 
     layers = blocks(hidden)
-    per = BLOCKS // num_stages
-    stages = [keras.Sequential(layers[s * per:(s + 1) * per]) for s in range(num_stages)]
+    # 4 stages: a block each; 3: 1, 1 and 2 blocks; 2: 2 and 2.
+    bounds = [s * BLOCKS // num_stages for s in range(num_stages + 1)]
+    stages = [keras.Sequential(layers[bounds[s]:bounds[s + 1]]) for s in range(num_stages)]
     pipeline = keras_comm.parallel.Pipeline(stages, num_micro_batches=micro_batches, schedule=schedule)
     return compile_model(keras.Sequential([keras.Input((64,)), pipeline]), learning_rate)
 
@@ -83,8 +85,8 @@ def main(argv=None):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
-    if BLOCKS % n:
-        raise SystemExit(f"pipeline.py splits {BLOCKS} blocks into one stage per worker: run it on 2 or 4. Received: {n} replicas")
+    if not 2 <= n <= BLOCKS:
+        raise SystemExit(f"pipeline.py splits {BLOCKS} blocks into one stage per worker: run it on 2 to {BLOCKS}. Received: {n} replicas")
     if args.batch_size % (n * args.micro_batches):
         raise SystemExit(
             f"--batch-size must be divisible by replicas x --micro-batches ({n} x {args.micro_batches}). "

@@ -13,7 +13,10 @@ import tensorflow as tf
 
 import keras_comm
 from conftest import make_strategy
+from keras_comm.callbacks import ParallelOptimizer
+from keras_comm.parallel import ColumnParallelDense
 from keras_comm.parallel import Mesh
+from keras_comm.parallel import RowParallelDense
 from keras_comm.parallel import Pipeline
 from keras_comm.parallel import full_weights
 from keras_comm.parallel import set_full_weights
@@ -63,17 +66,20 @@ def _check_exact(model, ref, x, y, batch):
     )
 
 
-# (p, m, schedule, layers after the pipeline): 1F1B with the pipeline last
-# runs the interleaved training step; with a layer after it, the layer's
-# (GPipe-order) path.
+# (p, m, schedule, layers after the pipeline), one case per code path (the
+# schedules' tables themselves -- every p, m, both schedules -- are checked
+# by simulation in test_schedules.py; p = 2 with m = 1, 4, 8, p = 4 with
+# both schedules and the 1F1B table as a layer run on real workers in
+# test_pipeline_multiprocess.py):
 GRID = [
-    (2, 1, "gpipe", False),
-    (2, 4, "1f1b", False),  # m = 8 runs on real workers (test_pipeline_multiprocess)
-    (2, 4, "gpipe", True),
-    (3, 2, "1f1b", False),
-    (3, 4, "1f1b", True),
-    (4, 4, "gpipe", False),
-    (4, 2, "1f1b", False),
+    # The 1F1B training step (training/pipeline.py): a steady state (m >= p,
+    # backward 0 before forward p) and a middle stage that receives and
+    # sends both activations and gradients.
+    (3, 4, "1f1b", False),
+    # The layer's path (forward half in call, backward half as its custom
+    # gradient), with a middle stage and a layer after the pipeline whose
+    # gradient enters the backward half.
+    (3, 2, "gpipe", True),
 ]
 
 
@@ -125,15 +131,190 @@ def test_each_replica_holds_only_its_stage():
         assert not comps[s][flat.size :].any()
 
 
-def test_pipeline_composes_with_data_parallel_on_a_mesh():
-    # 2 pipeline stages x 2 data replicas: a stage's gradients are reduced
-    # over its data group only.
+# Pipeline x data parallel (a stage's gradient reduced over its data group
+# only): in process through the layer's path in
+# test_parallel_optimizer_accumulates_and_shards_with_a_pipeline and
+# test_batch_normalization_statistics_agree_over_the_stages_data_group; the
+# 1F1B step on a 2 x 2 mesh of real workers (test_pipeline_multiprocess.py).
+
+
+def _tp_models(mesh, schedule, m):
+    """Stage 0 is Megatron's MLP split over the mesh's "model" axis."""
+    strategy = make_strategy(4)
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731  (moments per shard)
+    with strategy.scope():
+        stages = [
+            keras.Sequential([
+                ColumnParallelDense(8, activation="relu", mesh=mesh, axis="model"),
+                RowParallelDense(6, mesh=mesh, axis="model"),
+            ]),
+            keras.layers.Dense(5, activation="tanh"),
+        ]
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(stages, m, schedule, mesh=mesh)])
+        model.compile(optimizer=adam(), loss="mse", metrics=["mae"])
+    ref = keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(6), keras.layers.Dense(5, activation="tanh"),
+    ])
+    ref.compile(optimizer=adam(), loss="mse", metrics=["mae"])
+    ref.set_weights(full_weights(model))
+    return strategy, model, ref
+
+
+def test_tensor_parallel_layers_inside_a_stage(tmp_path):
+    # 2 stages x 2 tensor-parallel shards; 1F1B's interleaved training step.
+    # (The layer's GPipe path runs the same executor and gradient hook: the
+    # real-worker launch trains it with GPipe.)
+    mesh = Mesh((2, 2), ("pipeline", "model"))
+    strategy, model, ref = _tp_models(mesh, "1f1b", 2)
+    x, y = _data(16, 5)
+    _check_exact(model, ref, x, y, batch=16)
+    # Each replica holds its stage's shard: stage 0's replicas half of each
+    # split weight (Column kernel 4x4 of 4x8, bias 4 of 8, Row kernel 4x6 of
+    # 8x6) and the whole Row bias; stage 1's replicas the Dense(5).
+    layer = model.layers[1]
+    split = 4 * 4 + 4 + 4 * 6  # Column kernel/bias shards + Row kernel shard
+    assert layer.stage_nbytes(0) // 4 == split + 6 and int(layer._buffer.shape[0]) == max(split + 6, 6 * 5 + 5)
+    # The optimizer's moments are per shard: a .keras round trip brings each
+    # replica's own back (not the chief's), and training on continues alike.
+    model.save(str(tmp_path / "tp.keras"))
+    with strategy.scope():
+        loaded = keras.saving.load_model(str(tmp_path / "tp.keras"))
+    for a, b in zip(full_weights(loaded), full_weights(model)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        for r, v in keras_comm.parallel.process_shards(b).items():
+            np.testing.assert_array_equal(keras_comm.parallel.process_shards(a)[r], v)
+
+
+def test_a_tensor_parallel_stage_must_share_the_pipelines_mesh():
+    mesh = Mesh((2, 2), ("pipeline", "model"))
+    other = Mesh((2, 2), ("model", "pipeline"))
+    strategy = make_strategy(4)
+    with strategy.scope():
+        with pytest.raises(ValueError, match="must be split over an axis of the pipeline's mesh"):
+            keras.Sequential([keras.Input((3,)), Pipeline(
+                [ColumnParallelDense(4, gather_output=True, mesh=other, axis="model"), keras.layers.Dense(2)],
+                mesh=mesh)])
+
+
+def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
+    # 2 stages x 2 data replicas, Adam, 2 micro-batches accumulated per
+    # update, ZeRO-1: the weights before the pipeline are ZeRO-sharded over
+    # the world; the stage buffer (it carries its own gradient reduction)
+    # is reduced over its data group and updated whole, its moments per stage.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     strategy = make_strategy(4)
-    # (Both schedules on a 2 x 2 mesh of real workers: test_pipeline_multiprocess.py.)
-    model, ref = _models(2, 2, "1f1b", strategy, mesh=mesh)
-    x, y = _data(16, WIDTHS[1])
-    _check_exact(model, ref, x, y, batch=16)
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_stages(2), 2, "1f1b", mesh=mesh)])
+        model.compile(optimizer=adam(), loss="mse")
+    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + _stages(2))
+    ref.compile(optimizer=adam(), loss="mse")
+    ref.set_weights(full_weights(model))
+    x, y = _data(16, WIDTHS[1])  # 32 samples: 2 updates of 2 micro-batches of 8
+    po = ParallelOptimizer(accumulation_steps=2, zero_stage=1)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[po])
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert po.counts["updates"] == 2
+    assert max(_rel(a, b) for a, b in zip(full_weights(model), ref.get_weights())) <= 1e-5
+
+
+def _bn_stages():
+    return [
+        keras.Sequential([keras.layers.Dense(5), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh")]),
+        keras.Sequential([keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6)]),
+    ]
+
+
+def _bn_unsplit():
+    return keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5),
+        keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh"),
+        keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6),
+    ])
+
+
+def _bn_models(strategy, m, schedule, mesh=None):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), m, schedule, mesh=mesh)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref = _bn_unsplit()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.set_weights(full_weights(model))  # the unsplit order: kernel, bias, gamma, beta, moving mean, variance
+    return model, ref
+
+
+def _micro_batch_steps(ref, x, y, batch, m):
+    """The unsplit model trained as the pipeline computes: BatchNormalization
+    over each micro-batch, its moving statistics updated micro-batch by
+    micro-batch, one update per global batch (the mean of the micro-batch losses)."""
+    mb = batch // m
+    for start in range(0, len(x), batch):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([
+                tf.reduce_mean(tf.square(ref(x[start + i * mb : start + (i + 1) * mb], training=True)
+                                         - y[start + i * mb : start + (i + 1) * mb]))
+                for i in range(m)
+            ]) / m
+        grads = tape.gradient(loss, ref.trainable_variables)
+        ref.optimizer.apply_gradients(zip(grads, ref.trainable_variables))
+
+
+def _close(got, want):
+    # atol: the biases just before a BatchNormalization get a zero gradient
+    # (the normalization removes their shift); their values are round-off.
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_normalization_inside_stages_trains_exactly(tmp_path):
+    # 1F1B's interleaved step; the moving statistics live on the stage's
+    # replica and advance micro-batch by micro-batch.
+    strategy = make_strategy(2)
+    model, ref = _bn_models(strategy, 2, "1f1b")
+    x, y = _data(8, 6)  # 2 steps of 8
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _micro_batch_steps(ref, x, y, 8, 2)
+    _close(full_weights(model), ref.get_weights())
+    assert not np.allclose(ref.layers[2].moving_mean.numpy(), 0)  # the statistics moved
+    # predict normalizes with the moving statistics.
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), ref.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    # The statistics are saved with the stages' weights, in the unsplit order.
+    model.save_weights(str(tmp_path / "bn.weights.h5"))
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), 2)])
+    local.load_weights(str(tmp_path / "bn.weights.h5"))
+    for a, b in zip(full_weights(local), full_weights(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_normalization_statistics_agree_over_the_stages_data_group():
+    # 2 data replicas x 2 stages, GPipe (the layer's path), one step: each
+    # stage's statistics are the mean of its two replicas' micro-batch
+    # trajectories (exact: BatchNormalization's update is linear), the
+    # same on both; the weights follow the mean of all micro-batch losses.
+    mesh = Mesh((2, 2), ("data", "pipeline"))
+    model, ref = _bn_models(make_strategy(4), 2, "gpipe", mesh=mesh)
+    start = full_weights(model)
+    x, y = _data(8, 6)
+    x, y = x[:16], y[:16]  # one global batch of 16: per pipeline group 8, micro-batches of 4
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    _micro_batch_steps(ref, x, y, 16, 4)  # 4 micro-batches: group 0's two, then group 1's
+    trained = ref.get_weights()
+    stats = []
+    for group in range(2):
+        ref.set_weights(start)
+        for i in range(2):
+            ref(x[8 * group + 4 * i : 8 * group + 4 * (i + 1)], training=True)
+        stats.append(ref.get_weights())
+    moving = ["moving" in w.path for w in ref.weights]
+    want = [(a + b) / 2 if mv else w for w, a, b, mv in zip(trained, *stats, moving)]
+    _close(full_weights(model), want)
+    # Both replicas of each stage hold the same statistics.
+    layer = model.layers[1]
+    shards = keras_comm.parallel.process_shards(layer._state_buffer)
+    for r in range(2):
+        np.testing.assert_array_equal(shards[r], shards[r + 2])
 
 
 def test_one_process_pipeline_is_the_unsplit_model_and_loads_its_files(tmp_path):
@@ -199,8 +380,8 @@ def test_build_time_errors():
         # A static batch that does not split into micro-batches.
         with pytest.raises(ValueError, match="divisible into `num_micro_batches`.*Received: num_micro_batches=3"):
             keras.Sequential([keras.Input((3,), batch_size=4), Pipeline(_stages(2), 3)])
-        with pytest.raises(ValueError, match="non-trainable weights"):
-            keras.Sequential([keras.Input((3,)), Pipeline([keras.layers.BatchNormalization(), keras.layers.Dense(2)])])
+        with pytest.raises(ValueError, match=r"not floating point .*Dropout.*Received: \['seed_generator"):
+            keras.Sequential([keras.Input((3,)), Pipeline([keras.layers.Dropout(0.5), keras.layers.Dense(2)])])
 
 
 def test_a_batch_not_divisible_at_run_time_is_an_error_not_a_hang():

@@ -16,12 +16,14 @@ from keras_comm import _validation
 from keras_comm import ops
 from keras_comm import topology
 from keras_comm._private import keras_api
+from keras_comm._private import tf_api
 from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import point_to_point as p2p
 from keras_comm.parallel import _common
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.parallel import schedules
 from keras_comm.parallel import sharded
+from keras_comm.training import nontrainable
 from keras_comm.training import reduction
 
 
@@ -163,6 +165,20 @@ class PipelineStage(CollectiveLayer):
 # ---------------------------------------------------------------------------
 
 _BUFFER_NAME = "stage_weights"
+_STATE_NAME = "stage_state"
+
+
+class _NoValues:
+    """The composite owner of the state buffer: its values are saved with the weights'."""
+
+    def full_values(self):
+        return []
+
+    def full_value_count(self):
+        return 0
+
+    def set_full_values(self, values):
+        pass
 
 
 def _act_tag(i):
@@ -230,8 +246,14 @@ class Pipeline(_common.ParallelLayer):
 
     Args:
         stages: a list of p >= 2 Keras layers or models (unbuilt, or built
-            for the shapes they receive). Stages must have trainable
-            weights of one dtype and no non-trainable weights.
+            for the shapes they receive). Stage weights share one dtype. A
+            stage may hold tensor-parallel layers (unbuilt, split over
+            another axis of `mesh`: the buffer then holds this replica's
+            shard) and non-trainable float state such as
+            BatchNormalization's moving statistics (a second per-replica
+            buffer, ``stage_state``, advanced micro-batch by micro-batch
+            and averaged over the replicas running the stage after each
+            step).
         num_micro_batches: m >= 1; must divide the group's batch (the sum
             of the group members' batch sizes).
         schedule: "1f1b" or "gpipe".
@@ -249,8 +271,9 @@ class Pipeline(_common.ParallelLayer):
         ValueError: fewer than 2 stages, a bad `num_micro_batches` or
             `schedule`; at build: a stage count that does not fit the axis,
             consecutive stages whose shapes do not match, a known batch not
-            divisible into micro-batches, stages with non-trainable weights
-            or mixed dtypes.
+            divisible into micro-batches, stages with integer non-trainable
+            state (Dropout's seed) or mixed dtypes, tensor-parallel layers
+            on another mesh or built before.
     """
 
     def __init__(
@@ -270,9 +293,13 @@ class Pipeline(_common.ParallelLayer):
                 "`stages` must be a list of at least 2 Keras layers or models. "
                 f"Received: stages={stages!r}"
             )
-        stages = [
-            keras.saving.deserialize_keras_object(s) if isinstance(s, dict) else s for s in stages
-        ]
+        # A saved stage may be built by Keras's deserialization (its build
+        # config): without allocating its weights, as `build` would.
+        with keras.StatelessScope(initialize_variables=False):
+            stages = [
+                keras.saving.deserialize_keras_object(s) if isinstance(s, dict) else s
+                for s in stages
+            ]
         for i, s in enumerate(stages):
             if not isinstance(s, keras.layers.Layer):
                 raise TypeError(
@@ -343,16 +370,20 @@ class Pipeline(_common.ParallelLayer):
         self._shapes = shapes
         self._dtypes = dtypes
         self._layout = []
+        self._weight_shards = []  # per stage: a DeferredShard (tensor-parallel) or None per weight
         dtype = None
         for s, stage in enumerate(self._holder.items):
-            if stage.non_trainable_variables:
+            bad = [v.path for v in stage.non_trainable_variables if not tf.as_dtype(v.dtype).is_floating]
+            if bad:
                 raise ValueError(
                     f"Pipeline {self.name!r}: stage {s} ({stage.name!r}) has non-trainable "
-                    "weights, which pipeline stages do not support yet (their updates "
-                    "would have to stay per replica). Received: "
-                    f"{[v.path for v in stage.non_trainable_variables]}"
+                    "state that is not floating point (e.g. the seed state of Dropout or "
+                    "another random layer), which pipeline stages do not support yet: "
+                    "the stage's state buffer holds float state (moving statistics, "
+                    f"averaged over the stage's replicas) only. Received: {bad}"
                 )
             entries, offset = [], 0
+            self._weight_shards.append([self._check_stage_weight(s, v) for v in stage.trainable_variables])
             for v in stage.trainable_variables:
                 if dtype is None:
                     dtype = v.dtype
@@ -366,8 +397,10 @@ class Pipeline(_common.ParallelLayer):
                 offset += size
             self._layout.append((entries, offset))
         self._weight_dtype = dtype or "float32"
+        self._build_state_layout()
         sizes = [size for _, size in self._layout]
         length = sum(sizes) if n == 1 else max(sizes)
+        self._tp_axes = sorted({d.spec.mesh_axis for ws in self._weight_shards for d in ws if d is not None})
         self._buffer = self.add_weight(
             name=_BUFFER_NAME,
             shape=(max(length, 1),),
@@ -377,17 +410,197 @@ class Pipeline(_common.ParallelLayer):
         )
         reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
         sharded.register_composite(self._buffer, self)
-        if n > 1:
+        if n > 1 or self._tp_axes:
             # The buffer's optimizer slots (momentum, Adam moments) differ by
-            # stage like the buffer: saved gathered over the pipeline axis in
-            # the unsplit layout and loaded as each replica's own stage,
-            # never the chief's stage for all.
+            # stage (and tensor-parallel shard) like the buffer: saved
+            # gathered over the pipeline (and tensor) axes in the unsplit
+            # layout and loaded as each replica's own part, never the
+            # chief's part for all.
+            full_size = sum(int(np.prod(shape)) for shape in self._full_shapes())
             sharded.register_spec(
                 self._buffer,
-                _StageBufferSpec((sum(sizes),), 0, self.mesh, self.axis, n, tuple(sizes)),
+                _StageBufferSpec(
+                    (full_size,), 0, self.mesh, self.axis, self._gather_group(0).size,
+                    tuple(sizes), owner=self,
+                ),
             )
+        self._state_buffer = None
+        if any(size for _, size in self._state_layout):
+            state_sizes = [size for _, size in self._state_layout]
+            self._state_buffer = self.add_weight(
+                name=_STATE_NAME,
+                shape=(sum(state_sizes) if n == 1 else max(state_sizes),),
+                initializer="zeros",
+                dtype=self._state_dtype,
+                trainable=False,
+            )
+            # Stage s's statistics live on stage s's replicas: the step
+            # averages them over those replicas only (`_write_state`), not
+            # over the world as `keras_comm.training.nontrainable` would.
+            nontrainable.keep_per_replica(self._state_buffer)
+            # Saved and loaded through the trainable buffer's full values.
+            sharded.register_composite(self._state_buffer, _NoValues())
         self._assign_initial_values()
         self.built = True
+
+    def _build_state_layout(self):
+        # Non-trainable float state (BatchNormalization's moving statistics):
+        # a second per-replica buffer, laid out like the weights.
+        self._state_layout, self._order, dtype = [], [], None
+        for s, stage in enumerate(self._holder.items):
+            entries, offset = [], 0
+            for v in stage.non_trainable_variables:
+                if dtype is None:
+                    dtype = v.dtype
+                if v.dtype != dtype:
+                    raise ValueError(
+                        f"Pipeline {self.name!r}: every non-trainable stage weight must have "
+                        f"one dtype ({dtype}), as they share one buffer. Received: {v.path} "
+                        f"of dtype {v.dtype}"
+                    )
+                size = int(np.prod(v.shape))
+                entries.append((tuple(v.shape), offset, size))
+                offset += size
+            self._state_layout.append((entries, offset))
+            # The unsplit model's weight order (Keras's `stage.weights`):
+            # ("t", k) the k-th trainable, ("n", k) the k-th non-trainable.
+            trainable = {id(v): k for k, v in enumerate(stage.trainable_variables)}
+            state = {id(v): k for k, v in enumerate(stage.non_trainable_variables)}
+            self._order.append(
+                [("t", trainable[id(v)]) if id(v) in trainable else ("n", state[id(v)]) for v in stage.weights]
+            )
+        self._state_dtype = dtype or "float32"
+
+    def _check_stage_weight(self, s, v):
+        """Stage s's weight `v`: its `DeferredShard` if tensor-parallel, else None."""
+        d = sharded.deferred_shard(v)
+        if d is None and sharded.is_sharded(v):
+            raise ValueError(
+                f"Pipeline {self.name!r}: stage {s} holds the sharded weight {v.path!r}, "
+                "built before the pipeline. Pass tensor-parallel layers unbuilt: the "
+                "pipeline builds them and holds each replica's shard. Received: a built "
+                f"stage {s}"
+            )
+        if d is not None and (self.mesh is None or d.spec.mesh != self.mesh or d.spec.mesh_axis == self.axis):
+            raise ValueError(
+                f"Pipeline {self.name!r}: the tensor-parallel weight {v.path!r} of stage {s} "
+                f"must be split over an axis of the pipeline's mesh other than {self.axis!r} "
+                "(its members then run the same stage at the same time). Received: "
+                f"mesh={d.spec.mesh!r}, axis={d.spec.mesh_axis!r} for the pipeline's "
+                f"mesh={self.mesh!r}"
+            )
+        return d
+
+    def _full_shapes(self):
+        """Every stage weight's full (unsplit) shape, stage 0's first."""
+        return [
+            tuple(d.spec.full_shape) if d is not None else tuple(shape)
+            for (entries, _), shards in zip(self._layout, self._weight_shards)
+            for (shape, _, _), d in zip(entries, shards)
+        ]
+
+    def _coordinate(self, rank, axis):
+        mesh = self._built_mesh
+        return mesh.coordinates(rank)[mesh.axes.index(axis)]
+
+    def _fixed_axes_group(self, rank, fixed):
+        """The ranks sharing `rank`'s coordinates on the axes `fixed`."""
+        mesh = self._built_mesh
+        mine = mesh.coordinates(rank)
+        idx = [mesh.axes.index(a) for a in fixed]
+        return topology.Group(
+            [r for r in range(mesh.size) if all(mesh.coordinates(r)[i] == mine[i] for i in idx)]
+        )
+
+    def _gather_group(self, rank=None):
+        """The replicas that together hold every stage weight once, with `rank`.
+
+        The pipeline axis and the stages' tensor-parallel axes vary; every
+        other axis (data) is `rank`'s.
+        """
+        rank = topology.rank() if rank is None else rank
+        varying = {self.axis, *self._tp_axes}
+        return self._fixed_axes_group(rank, [a for a in self._built_mesh.axes if a not in varying])
+
+    def _kind(self, state):
+        """(layout, per-weight shards, buffer, dtype) of the weights or the state."""
+        if state:
+            return (self._state_layout, [[None] * len(e) for e, _ in self._state_layout],
+                    self._state_buffer, self._state_dtype)
+        return self._layout, self._weight_shards, self._buffer, self._weight_dtype
+
+    def _stage_offset(self, s, rank, state=False):
+        layout = self._kind(state)[0]
+        return sum(layout[h][1] for h in self._held_stages(rank)[: self._held_stages(rank).index(s)])
+
+    def _unsplit(self, rows, state=False):
+        """Full stage weights (or state) from ``{rank: flat buffer}``, stage 0's first."""
+        layout, all_shards, _, _ = self._kind(state)
+        ranks = sorted(rows)
+        out = []
+        for s, ((entries, _), shards) in enumerate(zip(layout, all_shards)):
+            holders = [r for r in ranks if s in self._held_stages(r)]
+
+            def piece(r, off, size, shape):
+                start = self._stage_offset(s, r, state) + off
+                return np.reshape(rows[r][start : start + size], shape).copy()
+
+            for (shape, off, size), d in zip(entries, shards):
+                if d is None:
+                    out.append(piece(holders[0], off, size, shape))
+                    continue
+                by_coordinate = {}
+                for r in holders:
+                    by_coordinate.setdefault(self._coordinate(r, d.spec.mesh_axis), r)
+                out.append(np.concatenate(
+                    [piece(by_coordinate[j], off, size, shape) for j in range(d.spec.num_shards)],
+                    axis=d.spec.shard_axis,
+                ))
+        return out
+
+    def _replica_flat(self, full_by_stage, rank, state=False):
+        """Replica `rank`'s buffer from full stage weights ``{stage: [arrays]}``."""
+        _, all_shards, buffer, dtype = self._kind(state)
+        length = int(buffer.shape[0])
+        parts = []
+        for s in self._held_stages(rank):
+            for value, d in zip(full_by_stage[s], all_shards[s]):
+                if d is not None:
+                    value = d.spec.slice(np.asarray(value), self._coordinate(rank, d.spec.mesh_axis))
+                parts.append(np.ravel(value))
+        flat = np.concatenate(parts) if parts else np.zeros([0])
+        return np.pad(flat, (0, length - flat.size)).astype(dtype)
+
+    def _by_stage(self, values, state=False):
+        """``{stage: [arrays]}`` from a flat list in the unsplit order."""
+        values, out = list(values), {}
+        for s, (entries, _) in enumerate(self._kind(state)[0]):
+            out[s], values = values[: len(entries)], values[len(entries) :]
+        return out
+
+    def _reduction_parts(self, rank):
+        """``[(group, mask or None)]``: how `rank`'s buffer gradient is reduced.
+
+        A plain stage weight's gradient is summed over every replica running
+        the stage; a tensor-parallel shard's over the replicas running the
+        stage with the same shard (its data group). One part (mask None)
+        without tensor parallelism.
+        """
+        length = int(self._buffer.shape[0])
+        masks = {}
+        start = 0
+        for s in self._held_stages(rank):
+            entries, size = self._layout[s]
+            for (shape, off, n), d in zip(entries, self._weight_shards[s]):
+                key = (self.axis,) if d is None else (self.axis, d.spec.mesh_axis)
+                masks.setdefault(key, np.zeros(length, np.bool_))[start + off : start + off + n] = True
+            start += size
+        plain = (self.axis,)
+        if set(masks) <= {plain}:
+            return [(self._fixed_axes_group(rank, plain), None)]
+        covered = np.any(list(masks.values()), axis=0)
+        masks.setdefault(plain, np.zeros(length, np.bool_))[~covered] = True  # the padding
+        return [(self._fixed_axes_group(rank, key), masks[key]) for key in sorted(masks)]
 
     def _output_spec(self, s, stage, shape, dtype):
         try:
@@ -411,6 +624,10 @@ class Pipeline(_common.ParallelLayer):
         """Stage s's initial weights (numpy), the same on every worker."""
         values = []
         for k, v in enumerate(self._holder.items[s].trainable_variables):
+            d = self._weight_shards[s][k]
+            if d is not None:  # tensor-parallel: the full weight, sliced per replica
+                values.append(d.full_value(v.dtype))
+                continue
             if keras_api.tf_variable(v) is not None:  # a stage built before
                 values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
                 continue
@@ -430,65 +647,124 @@ class Pipeline(_common.ParallelLayer):
             return list(range(self.num_stages))
         return [mesh.coordinates(rank)[mesh.axes.index(self.axis)]]
 
-    def _flat(self, stage_values_by_stage, held):
-        length = int(self._buffer.shape[0])
-        parts = [np.ravel(v) for s in held for v in stage_values_by_stage[s]]
-        flat = np.concatenate(parts) if parts else np.zeros([0])
-        return np.pad(flat, (0, length - flat.size)).astype(self._weight_dtype)
-
     def _assign_initial_values(self):
         comps = sharded._components(self._buffer)
         ranks = sharded._local_ranks(len(comps), sharded._strategy_of([self._buffer]))
         needed = sorted({s for r in ranks for s in self._held_stages(r)})
         values = {s: self._initial_stage_values(s) for s in needed}
         self._assign_components(values)
+        if self._state_buffer is not None:
+            self._assign_components({s: self._initial_state_values(s) for s in needed}, state=True)
 
-    def _assign_components(self, values):
-        comps = sharded._components(self._buffer)
-        strategy = sharded._strategy_of([self._buffer])
+    def _initial_state_values(self, s):
+        values = []
+        for v in self._holder.items[s].non_trainable_variables:
+            if keras_api.tf_variable(v) is not None:  # a stage built before
+                values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
+            else:
+                init = keras.initializers.get(keras_api.deferred_initializer(v))
+                values.append(np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype))))
+        return values
+
+    def _assign_components(self, values, state=False):
+        buffer = self._kind(state)[2]
+        comps = sharded._components(buffer)
+        strategy = sharded._strategy_of([buffer])
         ranks = sharded._local_ranks(len(comps), strategy)
         with tf.init_scope(), strategy.scope():
             for r, c in zip(ranks, comps):
-                c.assign(self._flat(values, self._held_stages(r)))
+                c.assign(self._replica_flat(values, r, state))
 
     def _reduce_gradient(self, grad):
-        """Replica context: SUM over the replicas running the same stage."""
+        """Replica context: SUM over the replicas running the same stage.
+
+        (A tensor-parallel shard's part: over those holding the same shard.)
+        """
         if grad is None:
             return grad
-        group = mesh_lib.runtime_mesh(self.mesh, self.axis).other_axes_group(self.axis)
-        if group.size == 1:
-            return grad
-        return ops.all_reduce(grad, group=group, timeout=self.timeout, name=f"{self.name}_grad")
+        mesh_lib.runtime_mesh(self.mesh, self.axis)  # checks the world
+        out = []
+        for group, mask in self._reduction_parts(topology.rank()):
+            part = grad if mask is None else grad * tf.constant(mask, grad.dtype)
+            if group.size > 1:
+                part = ops.all_reduce(part, group=group, timeout=self.timeout, name=f"{self.name}_grad")
+            out.append(part)
+        return tf.add_n(out) if len(out) > 1 else out[0]
 
     # -- computing a stage ---------------------------------------------------------
 
-    def _stage_values(self, flat, s, held):
-        """Stage s's weights as tensors: slices of this replica's buffer."""
+    def _stage_values(self, flat, s, held, state=False):
+        """Stage s's weights (or state) as tensors: slices of this replica's buffer."""
+        if flat is None:
+            return []
+        layout = self._kind(state)[0]
         start = 0
         for h in held:
             if h == s:
                 break
-            start += self._layout[h][1]
+            start += layout[h][1]
         return [
             tf.reshape(flat[start + off : start + off + size], shape)
-            for shape, off, size in self._layout[s][0]
+            for shape, off, size in layout[s][0]
         ]
 
-    def _run_stage(self, s, values, x, training):
+    def _run_stage(self, s, values, x, training, state_values=()):
+        """Stage s on `x`: ``(output, the stage's new non-trainable values)``."""
         stage = self._holder.items[s]
         kwargs = {}
         if training is not None and keras_api.call_has_training_arg(stage):
             kwargs["training"] = training
-        out, _ = stage.stateless_call(values, [], x, **kwargs)
-        return out
+        out, new_state = stage.stateless_call(values, list(state_values), x, **kwargs)
+        return out, list(new_state)
+
+    def _state_tensor(self):
+        if self._state_buffer is None:
+            return None
+        return tf.convert_to_tensor(keras_api.tf_variable(self._state_buffer))
+
+    def _replace_state(self, state, s, held, new_values):
+        """`state` with stage s's part replaced by `new_values`."""
+        if not new_values:
+            return state
+        start = 0
+        for h in held:
+            if h == s:
+                break
+            start += self._state_layout[h][1]
+        size = self._state_layout[s][1]
+        piece = tf.concat([tf.reshape(tf.cast(v, state.dtype), [-1]) for v in new_values], 0)
+        return tf.concat([state[:start], piece, state[start + size :]], 0)
+
+    def _write_state(self, new_state, after=()):
+        """Replica context: the state after this step's micro-batches, agreed.
+
+        The mean over the replicas running the same stage (its data group;
+        with a 1-D mesh, none): exact for BatchNormalization's update, which
+        is linear in the batch statistics (see
+        `keras_comm.training.nontrainable`).
+        """
+        distributed = tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None
+        rank = topology.rank() if distributed else 0
+        group = self._fixed_axes_group(rank, [self.axis]) if distributed else topology.Group([0])
+        with tf.control_dependencies([t for t in after if t is not None]):
+            new_state = tf.identity(new_state)
+        if group.size > 1:
+            total = ops.all_reduce(new_state, group=group, timeout=self.timeout, name=f"{self.name}_state")
+            new_state = total / tf.cast(group.size, total.dtype)
+        return tf_api.local_component(keras_api.tf_variable(self._state_buffer)).assign(new_state)
 
     def _sequential(self, inputs, training):
         flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
+        state = self._state_tensor()
         held = list(range(self.num_stages))
         x = inputs
         for s in held:
-            x = self._run_stage(s, self._stage_values(flat, s, held), x, training)
-        return x
+            x, new = self._run_stage(
+                s, self._stage_values(flat, s, held), x, training, self._stage_values(state, s, held, True)
+            )
+            if state is not None:
+                state = self._replace_state(state, s, held, new)
+        return x, state
 
     # -- call ----------------------------------------------------------------------
 
@@ -509,12 +785,18 @@ class Pipeline(_common.ParallelLayer):
             return tf.zeros(tf.concat([[b], self._shapes[-1][1:]], 0), self._dtypes[-1])
         group = self.group()
         if group.size == 1:
-            return self._sequential(inputs, training)
-        x = _common.gather_batch(inputs, group, self.name, self.timeout)
-        flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
-        y = self._pipelined(x, flat, group, training)
-        y = ops.all_reduce(y, group=group, timeout=self.timeout, name=f"{self.name}_output")
-        return _common.own_rows(y, group)
+            y, new_state = self._sequential(inputs, training)
+        else:
+            x = _common.gather_batch(inputs, group, self.name, self.timeout)
+            flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
+            y, new_state = self._pipelined(x, flat, self._state_tensor(), group, training)
+            y = ops.all_reduce(y, group=group, timeout=self.timeout, name=f"{self.name}_output")
+            y = _common.own_rows(y, group)
+        if training and self._state_buffer is not None:
+            write = self._write_state(new_state, after=[y])
+            with tf.control_dependencies([write]):
+                y = tf.identity(y)
+        return y
 
     def _check_batch(self, x):
         m = self.num_micro_batches
@@ -535,17 +817,20 @@ class Pipeline(_common.ParallelLayer):
         with tf.control_dependencies([check]):
             return tf.identity(x)
 
-    def _pipelined(self, x, flat, group, training):
+    def _pipelined(self, x, flat, state, group, training):
+        """``(output, new state or None)``: the schedule's forward, its backward as the gradient."""
         x = self._check_batch(x)
         rank = topology.rank()
         s = group.index(rank)
         table = schedules.train_schedule(self.schedule, self.num_stages, self.num_micro_batches)[s]
+        holder = {}
 
         @tf.custom_gradient
         def run(x, flat):
-            ex = _Executor(self, s, group, x, flat, training)
+            ex = _Executor(self, s, group, x, flat, training, state=state)
             ex.run(schedules.forward_only(table))
             y = ex.output()
+            holder["state"] = ex.state
 
             def grad(dy):
                 ex.output_gradient(dy)
@@ -554,7 +839,9 @@ class Pipeline(_common.ParallelLayer):
 
             return y, grad
 
-        return run(x, flat)
+        y = run(x, flat)
+        new_state = holder["state"]
+        return y, (None if new_state is None else tf.stop_gradient(new_state))
 
     # -- weights in the unsplit order ------------------------------------------------
 
@@ -564,38 +851,36 @@ class Pipeline(_common.ParallelLayer):
         Gathers the stages from their replicas (a collective: under
         MultiWorkerMirroredStrategy every worker must call it).
         """
-        comps = sharded._components(self._buffer)
-        strategy = sharded._strategy_of([self._buffer])
-        n = self._built_mesh.axis_size(self.axis)
-        if n == 1 or strategy.num_replicas_in_sync == 1:
-            flat = comps[0].numpy()
-            by_stage = [self._split(flat, list(range(self.num_stages)))]
-        else:
+        weights = self._gathered_values(False)
+        if self._state_buffer is None:
+            return weights
+        state = self._by_stage(self._gathered_values(True), True)
+        weights = self._by_stage(weights)
+        return [
+            (weights if kind == "t" else state)[s][k]
+            for s in range(self.num_stages)
+            for kind, k in self._order[s]
+        ]
 
-            def replica_fn():
-                value = tf.identity(keras_api.tf_variable(self._buffer))
-                group = self._built_mesh.group(self.axis)
-                return ops.all_gather(value[None], group=group, name=f"{self.name}_full")
+    def _gathered_values(self, state):
+        buffer = self._kind(state)[2]
+        comps = sharded._components(buffer)
+        strategy = sharded._strategy_of([buffer])
+        ranks = sharded._local_ranks(len(comps), strategy)
+        if strategy.num_replicas_in_sync == 1 or self._gather_group(ranks[0]).size == 1:
+            return self._unsplit({ranks[0]: comps[0].numpy()}, state)
 
-            with strategy.scope():
-                out = tf.function(lambda: strategy.run(replica_fn))()
-            gathered = np.asarray(strategy.experimental_local_results(out)[0])
-            by_stage = [self._split(gathered[s], [s]) for s in range(self.num_stages)]
-        return [v for stage in by_stage for v in stage]
+        def replica_fn():
+            value = tf.identity(keras_api.tf_variable(buffer))
+            return ops.all_gather(value[None], group=self._gather_group(), name=f"{self.name}_full")
 
-    def _split(self, flat, held):
-        out, start = [], 0
-        for s in held:
-            entries, size = self._layout[s]
-            out += [
-                np.reshape(flat[start + off : start + off + n], shape).copy()
-                for shape, off, n in entries
-            ]
-            start += size
-        return out
+        with strategy.scope():
+            out = tf.function(lambda: strategy.run(replica_fn))()
+        gathered = np.asarray(strategy.experimental_local_results(out)[0])
+        return self._unsplit(dict(zip(self._gather_group(ranks[0]).ranks, gathered)), state)
 
     def full_value_count(self):
-        return sum(len(entries) for entries, _ in self._layout)
+        return sum(len(order) for order in self._order)
 
     def set_full_values(self, values):
         """Host side: assigns every stage's weights (the unsplit order)."""
@@ -605,20 +890,24 @@ class Pipeline(_common.ParallelLayer):
                 f"Pipeline {self.name!r} holds {self.full_value_count()} stage weights. "
                 f"Received: {len(values)} values"
             )
-        by_stage, k = {}, 0
-        for s, (entries, _) in enumerate(self._layout):
-            stage_values = []
-            for shape, _, _ in entries:
+        shapes = self._by_stage(self._full_shapes())
+        by_stage, state_by_stage, k = {}, {}, 0
+        for s in range(self.num_stages):
+            by_stage[s] = [None] * len(self._layout[s][0])
+            state_by_stage[s] = [None] * len(self._state_layout[s][0])
+            for j, (kind, i) in enumerate(self._order[s]):
                 v = np.asarray(values[k])
+                k += 1
+                shape = shapes[s][i] if kind == "t" else self._state_layout[s][0][i][0]
                 if tuple(v.shape) != tuple(shape):
                     raise ValueError(
-                        f"Pipeline {self.name!r}: stage {s}'s weight {len(stage_values)} has "
+                        f"Pipeline {self.name!r}: stage {s}'s weight {j} has "
                         f"shape {shape}. Received: value of shape {v.shape}"
                     )
-                stage_values.append(v)
-                k += 1
-            by_stage[s] = stage_values
+                (by_stage if kind == "t" else state_by_stage)[s][i] = v
         self._assign_components(by_stage)
+        if self._state_buffer is not None:
+            self._assign_components(state_by_stage, state=True)
 
     def stage_nbytes(self, s):
         """Bytes of stage s's weights (what the replicas of stage s hold)."""
@@ -654,20 +943,36 @@ class _StageBufferSpec(sharded.ShardSpec):
     """
 
     sizes: tuple = ()
+    owner: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def shard_shape(self):
-        return (max(self.sizes),)
+        return tuple(self.owner._buffer.shape)
+
+    def model_group(self, rank=None):
+        # The replicas holding the stages (and their tensor-parallel shards).
+        return self.owner._gather_group(rank)
+
+    def shard_index(self, rank):
+        return rank  # `slice` cuts replica `rank`'s part
 
     def to_full(self, gathered):
-        width = max(self.sizes)
-        gathered = np.asarray(gathered)
-        return np.concatenate([gathered[s * width : s * width + k] for s, k in enumerate(self.sizes)])
+        owner = self.owner
+        comps = sharded._components(owner._buffer)
+        first = sharded._local_ranks(len(comps), sharded._strategy_of([owner._buffer]))[0]
+        group = owner._gather_group(first)  # the checkpoint reads the first local replica's gather
+        rows = np.reshape(np.asarray(gathered), (group.size, -1))
+        return np.concatenate([np.ravel(v) for v in owner._unsplit(dict(zip(group.ranks, rows)))])
 
     def slice(self, full, index):
-        start = sum(self.sizes[:index])
-        own = np.asarray(full)[start : start + self.sizes[index]]
-        return np.pad(own, (0, max(self.sizes) - self.sizes[index]))
+        owner = self.owner
+        full, values = np.asarray(full), []
+        start = 0
+        for shape in owner._full_shapes():
+            size = int(np.prod(shape))
+            values.append(np.reshape(full[start : start + size], shape))
+            start += size
+        return owner._replica_flat(owner._by_stage(values), index)
 
 
 class _Hidden:
@@ -692,7 +997,7 @@ class _Executor:
     a received gradient.
     """
 
-    def __init__(self, layer, stage, group, x, flat, training, loss_fn=None):
+    def __init__(self, layer, stage, group, x, flat, training, loss_fn=None, state=None):
         self.layer = layer
         self.s = stage
         self.p = layer.num_stages
@@ -702,6 +1007,10 @@ class _Executor:
         self.flat = flat
         self.training = training
         self.loss_fn = loss_fn
+        # This replica's non-trainable state (None: the stages have none),
+        # advanced by each micro-batch's forward in order, as the unsplit
+        # model updates it once per micro-batch.
+        self.state = state
         m = layer.num_micro_batches
         self.m = m
         self.mb = tf.shape(x)[0] // m
@@ -740,7 +1049,10 @@ class _Executor:
             tape.watch(self.flat)
             held = self.layer._held_stages(self.rank)
             values = self.layer._stage_values(self.flat, self.s, held)
-            y = self.layer._run_stage(self.s, values, x, self.training)
+            state_values = self.layer._stage_values(self.state, self.s, held, True)
+            y, new_state = self.layer._run_stage(self.s, values, x, self.training, state_values)
+            if self.state is not None and self.training:
+                self.state = self.layer._replace_state(self.state, self.s, held, new_state)
             if self.loss_fn is not None and self.s == self.p - 1:
                 self.losses[i] = self.loss_fn(i, y)
         self.tapes[i] = (tape, x, y)

@@ -110,12 +110,43 @@ class ShardSpec:
 _specs = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class DeferredShard:
+    """A sharded weight created without a value (inside a `keras.StatelessScope`).
+
+    `keras_comm.parallel.Pipeline` builds its stages that way; a
+    tensor-parallel layer in a stage then records here how its weight is
+    split and initialised, and the pipeline's stage buffer holds each
+    replica's shard (`full_value` sliced by `spec.slice`).
+    """
+
+    spec: ShardSpec
+    initializer: object
+    seed: int
+
+    def full_value(self, dtype):
+        """The full weight's initial value (numpy), the same on every worker."""
+        init = _seeded(self.initializer, self.seed)
+        return np.asarray(keras.ops.convert_to_numpy(init(self.spec.full_shape, dtype=dtype)))
+
+
+_deferred = {}
+
+
+def deferred_shard(variable):
+    """The `DeferredShard` of a Keras variable created without a value, or None."""
+    return _deferred.get(id(variable))
+
+
 _tf_variable = keras_api.tf_variable
 
 
 def shard_spec(variable):
     """The `ShardSpec` of `variable`, or None if it is not sharded."""
-    return _specs.get(id(_tf_variable(variable)))
+    spec = _specs.get(id(_tf_variable(variable)))
+    if spec is None and id(variable) in _deferred:  # a Pipeline stage's shard
+        spec = _deferred[id(variable)].spec
+    return spec
 
 
 def is_sharded(variable):
@@ -211,6 +242,14 @@ def add_sharded_weight(
         trainable=trainable,
     )
     tf_var = _tf_variable(variable)
+    if tf_var is None:
+        # Created in a keras.StatelessScope (a `Pipeline` stage): no variable
+        # to write; the owner of the values (the stage buffer) computes each
+        # replica's shard from this record and reduces its gradient.
+        if seed is None:
+            seed = zlib.crc32(variable.path.encode()) % (2**31)
+        _deferred[id(variable)] = DeferredShard(spec, initializer, int(seed))
+        return variable
     _specs[id(tf_var)] = spec
     reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:

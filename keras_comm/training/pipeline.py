@@ -25,7 +25,9 @@ weighted by its share of the global batch, as `replicated.forward` weights a
 replica's). Layers after the pipeline are not supported by this step
 (model.fit then uses the layer's GPipe order): their weights would have to
 run on the last stage. Regularization losses (``model.losses``) are
-refused.
+refused. Stages' non-trainable state (BatchNormalization's moving
+statistics) advances micro-batch by micro-batch and is averaged over the
+stage's replicas after the schedule.
 """
 
 import keras
@@ -129,9 +131,14 @@ def train_step(model, data):
 
     s = group.index(_rank())
     table = schedules.train_schedule("1f1b", layer.num_stages, m)[s]
-    ex = pipeline_lib._Executor(layer, s, group, hg, flat, True, loss_fn=loss_fn)
+    ex = pipeline_lib._Executor(layer, s, group, hg, flat, True, loss_fn=loss_fn, state=layer._state_tensor())
     ex.run(table)
     dflat = ex.weight_gradient()
+    if ex.state is not None:
+        # The stages' moving statistics after every micro-batch, averaged
+        # over the stage's replicas (not the world: `nontrainable.sync`
+        # leaves the per-stage buffer alone).
+        dflat = p2p_after(dflat, [layer._write_state(ex.state, after=[dflat])])
     y_full = ops.all_reduce(ex.output(), group=group, timeout=timeout, name=f"{name}_output")
     y_pred = _common.own_rows(y_full, group)
     grads = []
@@ -149,6 +156,11 @@ def train_step(model, data):
     loss = keras_api.compute_loss(model, x, y, y_pred, sample_weight)
     keras_api.track_loss(model, loss, batch)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def p2p_after(t, deps):
+    with tf.control_dependencies([d for d in deps if d is not None]):
+        return tf.identity(t)
 
 
 def _rank():

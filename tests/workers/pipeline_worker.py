@@ -49,30 +49,50 @@ CONFIGS = {
         "p4_m8_1f1b": (4, 8, "1f1b", None),
         "p4_m2_gpipe": (4, 2, "gpipe", None),
         "p2x2_m2_1f1b": (2, 2, "1f1b", (2, 2)),
-        "p2x2_m4_gpipe": (2, 4, "gpipe", (2, 2)),
+        # Stage 0 tensor-parallel over a "model" axis (mesh pipeline x model).
+        "p2xtp2_m2_gpipe": (2, 2, "gpipe", "tp"),
     },
 }[N]
 
 
-def stages(p):
+TP_MESH = P.Mesh((2, 2), ("pipeline", "model")) if N == 4 else None
+
+
+def stages(p, mesh=None):
+    if mesh == "tp":  # stage 0: Megatron's MLP split over "model"; the unsplit: Dense(8, relu), Dense(WIDTHS[0])
+        return [
+            keras.Sequential([
+                P.ColumnParallelDense(8, activation="relu", mesh=TP_MESH, axis="model"),
+                P.RowParallelDense(WIDTHS[0], mesh=TP_MESH, axis="model"),
+            ]),
+            keras.layers.Dense(WIDTHS[1], activation="tanh"),
+        ]
     return [keras.layers.Dense(WIDTHS[s], activation="tanh") for s in range(p)]
 
 
+def unsplit_stages(p, mesh=None):
+    if mesh == "tp":
+        return [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(WIDTHS[0]),
+                keras.layers.Dense(WIDTHS[1], activation="tanh")]
+    return stages(p)
+
+
 def build(p, m, schedule, mesh, post=False, optimizer=None):
-    mesh = None if mesh is None else P.Mesh(mesh, ("data", "pipeline"))
+    kind = mesh
+    mesh = {None: None, "tp": TP_MESH}.get(mesh) if not isinstance(mesh, tuple) else P.Mesh(mesh, ("data", "pipeline"))
     optimizer = optimizer or (lambda: keras.optimizers.SGD(0.1))
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((3,)), keras.layers.Dense(4), P.Pipeline(stages(p), m, schedule, mesh=mesh)]
+            [keras.Input((3,)), keras.layers.Dense(4), P.Pipeline(stages(p, kind), m, schedule, mesh=mesh)]
             + ([keras.layers.Dense(2)] if post else [])
         )
         model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
     return model
 
 
-def reference(p, post, weights):
+def reference(p, post, weights, mesh=None):
     ref = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4)] + stages(p) + ([keras.layers.Dense(2)] if post else [])
+        [keras.Input((3,)), keras.layers.Dense(4)] + unsplit_stages(p, mesh) + ([keras.layers.Dense(2)] if post else [])
     )
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
     ref.set_weights(weights)
@@ -112,7 +132,7 @@ def exact(name):
     post = name.endswith("_post")
     batch = 2 * N * m  # global batch
     model = build(p, m, schedule, mesh, post)
-    ref = reference(p, post, P.full_weights(model))
+    ref = reference(p, post, P.full_weights(model), mesh)
     x, y = data(batch, 2 if post else WIDTHS[p - 1])
     h = model.fit(dataset(x, y, batch), epochs=1, verbose=0).history
     h_ref = ref.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
