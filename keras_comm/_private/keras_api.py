@@ -15,7 +15,7 @@ import keras
 # --- The TensorFlow trainer: the step owner installs itself here -------------
 
 #: `TensorFlowTrainer` methods `keras_comm.compat` replaces.
-TRAINER_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step")
+TRAINER_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step", "make_predict_function")
 # Originals are stored on the patched module itself (not in keras_comm) so that
 # re-importing or reloading keras_comm cannot mistake a patched function for
 # an original one.
@@ -222,6 +222,20 @@ def autoconvert_optionals(model, step):
     return step if wrap is None else wrap(step)
 
 
+def concat_replica_outputs(outputs, strategy):
+    """The replicas' predictions of one batch, concatenated in input order.
+
+    Upstream's predict step does this with the private `reduce_per_replica`
+    (``reduction="concat"``): locally the replicas' results in order, across
+    workers an all-gather of every replica's rows (of possibly different
+    sizes) reordered to the input's order. keras_comm's predict step
+    (`training.step.make_predict_function`) returns the same.
+    """
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer.reduce_per_replica(outputs, strategy, reduction="concat")
+
+
 def symbolic_build(model, data_batch):
     """Builds `model`'s weights, metrics and optimizer from a batch's specs.
 
@@ -416,7 +430,7 @@ def _keras_saveable():
 def relied_on():
     """The private Keras functions keras_comm replaces, calls or mirrors, by name.
 
-    Replaced (their originals): the three trainer methods and the
+    Replaced (their originals): the four trainer methods and the
     optimizer's gradient all-reduce. Called: the accessors above. Mirrored or
     relied on for behaviour: the base trainer's metric logs (the exact metric
     reduction mirrors `get_metrics_result` and the key test of
@@ -462,6 +476,8 @@ def relied_on():
             "_autoconvert_optionals"
         ),
         "TFEpochIterator._get_iterator": tf_trainer.TFEpochIterator._get_iterator,
+        # keras_comm's predict step is called as upstream's: a list of batches.
+        "TensorFlowTrainer.predict": tf_trainer.TensorFlowTrainer.predict,
         "Trainer._symbolic_build": trainer._symbolic_build,
         "Trainer._compute_loss": trainer._compute_loss,
         "Trainer.get_metrics_result": trainer.get_metrics_result,
