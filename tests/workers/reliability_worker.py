@@ -11,8 +11,8 @@
 * ``crash``: `model.fit`; rank 1 SIGKILLs itself at batch 3 (the test times
   the launcher).
 * ``predict``: `model.predict` of the ``timeout`` model with a layer whose
-  all-reduce only rank 0 issues. Every rank must get keras_comm's timeout
-  error naming the predict step (predict runs under the step owner's guard).
+  all-reduce only rank 0 issues. Rank 0 must get keras_comm's timeout error
+  naming the predict step (predict runs under the step owner's guard).
 
 A collective timeout aborts every later collective in the process, so each
 timeout is the last collective a worker runs.
