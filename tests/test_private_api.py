@@ -573,3 +573,43 @@ def test_the_boundary_check_sees_private_access(tmp_path):
         'y = getattr(v, "_distribute_strategy", None)\n'
     )
     assert [n for n, _ in _private_uses(sample)] == [2, 3, 4]
+
+
+@pytest.mark.inprocess
+def test_one_symbolic_build_detector_for_ops_and_parallel_layers():
+    """`keras_api.in_symbolic_build` is True only while Keras traces layers on
+    placeholders outside any replica; the collectives and the parallel layers
+    share it. Cross-replica context outside Keras's symbolic scope is not a
+    symbolic build: a parallel layer called there raises instead of returning
+    its shape stand-in (values computed from rank 0's shard alone)."""
+    from conftest import make_strategy
+    from conftest import run_replicas
+    from keras_comm.ops import _collective
+    from keras_comm.parallel import ColumnParallelDense
+    from keras_comm.parallel import _common
+
+    assert _common.shape_only is keras_api.in_symbolic_build
+    assert "_in_keras_symbolic_build" not in vars(_collective)
+    strategy = make_strategy(2)
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(keras_api.in_symbolic_build())
+            return x
+
+    probe = Probe()
+    with strategy.scope():
+        keras.Sequential([keras.Input((3,)), probe])  # traced on placeholders
+        assert not keras_api.in_symbolic_build()  # cross-replica, no symbolic scope
+    assert seen == [True]
+    keras.Sequential([keras.Input((3,)), Probe()])  # no strategy: one replica
+    assert seen == [True, False]
+    run_replicas(strategy, lambda: probe(tf.ones([1, 3])))  # replica context
+    assert seen == [True, False, False, False]
+
+    with strategy.scope():
+        layer = ColumnParallelDense(4)
+        model = keras.Sequential([keras.Input((3,)), layer])  # stand-ins: builds
+        with pytest.raises(RuntimeError, match="cross-replica context"):
+            model(tf.ones([2, 3]))

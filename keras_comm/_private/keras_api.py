@@ -11,6 +11,7 @@ mirrors; tests/test_private_api.py hashes their source per Keras version.
 import sys
 
 import keras
+import tensorflow as tf
 
 # --- The TensorFlow trainer: the step owner installs itself here -------------
 
@@ -314,6 +315,30 @@ def in_symbolic_scope():
     """
     scope = sys.modules.get("keras.src.backend.common.symbolic_scope")
     return scope is not None and scope.in_symbolic_scope()
+
+
+def in_symbolic_build():
+    """True while Keras traces layers for shapes outside any replica.
+
+    Keras's symbolic build (before `fit`/`evaluate`'s first step), building
+    a Functional model, `compute_output_spec` and `summary` call layers on
+    placeholders in Keras's symbolic scope; under a strategy with several
+    replicas that happens in cross-replica context, where there is no "this
+    replica" and nothing may be communicated. keras_comm's collectives and
+    parallel layers then return local stand-ins of the right shape and dtype
+    (and use rank 0's group). The one detector for both tiers.
+
+    Outside the symbolic scope, cross-replica context stays an error (a
+    collective raises `RuntimeError` naming the fix): computing stand-ins
+    there would return wrong values silently.
+    """
+    return (
+        in_symbolic_scope()
+        and not tf.executing_eagerly()
+        and tf.distribute.has_strategy()
+        and tf.distribute.in_cross_replica_context()
+        and tf.distribute.get_strategy().num_replicas_in_sync > 1
+    )
 
 
 # --- Fully sharded layers: weights without storage, checkpoints by structure --

@@ -183,7 +183,7 @@ def resolve(group=None, timeout=None, name=None):
         RuntimeError: in cross-replica context of a multi-replica strategy.
     """
     what = f"keras_comm op {name!r}" if name else "keras_comm collectives"
-    symbolic = _in_keras_symbolic_build()
+    symbolic = keras_api.in_symbolic_build()
     if symbolic:
         replica = topology.Replica(0, tf.distribute.get_strategy().num_replicas_in_sync, "")
     else:
@@ -197,21 +197,6 @@ def resolve(group=None, timeout=None, name=None):
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
     return Call(replica, group, timeout, name, symbolic)
-
-
-def _in_keras_symbolic_build():
-    """True while Keras infers output specs (`model.fit`'s symbolic build).
-
-    Keras then calls layers on placeholders in cross-replica context, where
-    there is no "this replica" and nothing may be communicated.
-    """
-    return (
-        keras_api.in_symbolic_scope()
-        and not tf.executing_eagerly()
-        and tf.distribute.has_strategy()
-        and tf.distribute.in_cross_replica_context()
-        and tf.distribute.get_strategy().num_replicas_in_sync > 1
-    )
 
 
 def _stand_in(kind, x, call):
