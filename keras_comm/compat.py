@@ -50,10 +50,13 @@ This module only installs the fix: the step itself is owned by
 `train_step_gradients(model, data)` is the default step's per-replica
 gradients and logs without the update.
 
-`predict` is left to Keras: under MultiWorkerMirroredStrategy every worker
-passes the same (global) input, the input is sharded across workers, and
-`predict` all-gathers the outputs in input order, so each worker returns the
-full predictions for the whole input, identical on all workers.
+`predict` keeps Keras's semantics: under MultiWorkerMirroredStrategy every
+worker passes the same (global) input, the input is sharded across workers,
+and `predict` all-gathers the outputs in input order, so each worker returns
+the full predictions for the whole input, identical on all workers. Its step
+is made by `training.step.make_predict_function` (replacing
+`TensorFlowTrainer.make_predict_function`), so it runs under the watchdog and
+translates collective errors like `fit`'s and `evaluate`'s.
 
 Scope and limits:
 
@@ -167,6 +170,7 @@ def apply():
         "_maybe_symbolic_build": step.symbolic_build,
         "_make_function": step.make_function,
         "train_step": replicated.train_step,
+        "make_predict_function": step.make_predict_function,
     })
     keras_api.install_gradient_reduction(reduction.all_reduce_sum_gradients)
     # Sharded optimizer slots saved full-size: keras_comm.parallel._checkpoint.

@@ -9,8 +9,8 @@ group of ranks and the timeout, and say what to do:
 
 * in **eager** execution keras_comm translates errors itself, where the
   collective runs;
-* the steps keras_comm compiles (`model.fit` and `evaluate` under
-  MultiWorkerMirroredStrategy, `ParallelOptimizer`'s; see
+* the steps keras_comm compiles (`model.fit`, `evaluate` and `predict`
+  under MultiWorkerMirroredStrategy, `ParallelOptimizer`'s; see
   `keras_comm.training.step`) translate their errors too;
 * around other **compiled** functions (your own `tf.function`, Keras's
   steps under other strategies), TensorFlow raises from the function call.

@@ -86,6 +86,37 @@ def test_mini_step_shard_accumulator_releases_cycle_sum(strategy, mode, mean):
 
 
 @pytest.mark.inprocess
+def test_mini_step_all_gather_layer_passes_its_own_keywords():
+    """The layer's `shard_accumulator` reaches the op (through the mixin's
+    `call`): the shard-sized buffer holds this member's partial sum."""
+    strategy = make_strategy(2)
+    n, k = 2, 2
+    with strategy.scope():
+        layer = layers.MiniStepAllGather(
+            mean=False, accumulation_steps=k, shard_accumulator=True, fusion=0, dtype="float64"
+        )
+        layer.build((3,))
+
+    def fn(t):
+        r = keras_comm.rank()
+        x = tf.constant([1.0, 2.0, 3.0], tf.float64) * tf.cast(r + 1, tf.float64) + t
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            w = tf.range(1.0, 3 * n + 1, dtype=tf.float64) * tf.cast(r + 1, tf.float64) + t
+            loss = tf.reduce_sum(w * y * y)
+        return y, tape.gradient(loss, x)
+
+    run = _stepper(strategy, fn, "function")
+    got = run(0)
+    for r, a in enumerate(strategy.experimental_local_results(layer._accumulator_variable())):
+        np.testing.assert_allclose(a.numpy(), _mini_want(n, 1, 0, r, False), rtol=1e-12)
+    got = run(1)
+    for r in range(n):
+        np.testing.assert_allclose(got[r][1], _mini_want(n, k, 1, r, False), rtol=1e-12)
+
+
+@pytest.mark.inprocess
 def test_mini_step_shard_accumulator_equals_gathered_accumulator(strategy, mode):
     """Both modes release the same gradient (the reduce-scatter is linear)."""
     n, k = strategy.num_replicas_in_sync, 2

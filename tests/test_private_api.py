@@ -34,6 +34,8 @@ from keras_comm._private import tf_api
 
 _KERAS_SHA256 = {
     "3.10.0": {
+        "TensorFlowTrainer.make_predict_function": "5f1a30acee30e08cd41bd857387a80a8d7c05ee5d9a94095f06b0ec3978c6f49",
+        "TensorFlowTrainer.predict": "6cf352a405e752a9a2a6b2427a6de07abbdfe59d6df0f1bf5697f0ea64a710b7",
         "TensorFlowTrainer._maybe_symbolic_build": "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81",
         "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
         "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
@@ -77,6 +79,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "52ba07676d8818aadb09999b34d84087c1ed366ea27450a3f5ec46b2695d303a",
     },
     "3.11.3": {
+        "TensorFlowTrainer.make_predict_function": "5f1a30acee30e08cd41bd857387a80a8d7c05ee5d9a94095f06b0ec3978c6f49",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff",
         "TensorFlowTrainer.train_step": "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950",
@@ -121,6 +125,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "6968828d83aa893d85d78d89b59c35a6dd67a02fb04cc793bcaec6e3bf7943a6",
     },
     "3.12.4": {
+        "TensorFlowTrainer.make_predict_function": "a772a2efdd906f9a9ad6a19ec988d48455792fef5857a2b4ddc55b677ac350b3",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -166,6 +172,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
     },
     "3.13.2": {
+        "TensorFlowTrainer.make_predict_function": "a772a2efdd906f9a9ad6a19ec988d48455792fef5857a2b4ddc55b677ac350b3",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -211,6 +219,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "1b3d7d9721224c19736415b5a46263130245e9861b596a4da7b2e139f18de767",
     },
     "3.14.1": {
+        "TensorFlowTrainer.make_predict_function": "a772a2efdd906f9a9ad6a19ec988d48455792fef5857a2b4ddc55b677ac350b3",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -256,6 +266,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "1b3d7d9721224c19736415b5a46263130245e9861b596a4da7b2e139f18de767",
     },
     "3.15.0": {
+        "TensorFlowTrainer.make_predict_function": "a772a2efdd906f9a9ad6a19ec988d48455792fef5857a2b4ddc55b677ac350b3",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -301,6 +313,8 @@ _KERAS_SHA256 = {
         "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
     },
     "3.15.1": {
+        "TensorFlowTrainer.make_predict_function": "a772a2efdd906f9a9ad6a19ec988d48455792fef5857a2b4ddc55b677ac350b3",
+        "TensorFlowTrainer.predict": "ee5831d7d2179667008faeb9a0a75b1b8c4a8887174c4f8fea0c94395ee87141",
         "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
         "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
         "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
@@ -559,3 +573,43 @@ def test_the_boundary_check_sees_private_access(tmp_path):
         'y = getattr(v, "_distribute_strategy", None)\n'
     )
     assert [n for n, _ in _private_uses(sample)] == [2, 3, 4]
+
+
+@pytest.mark.inprocess
+def test_one_symbolic_build_detector_for_ops_and_parallel_layers():
+    """`keras_api.in_symbolic_build` is True only while Keras traces layers on
+    placeholders outside any replica; the collectives and the parallel layers
+    share it. Cross-replica context outside Keras's symbolic scope is not a
+    symbolic build: a parallel layer called there raises instead of returning
+    its shape stand-in (values computed from rank 0's shard alone)."""
+    from conftest import make_strategy
+    from conftest import run_replicas
+    from keras_comm.ops import _collective
+    from keras_comm.parallel import ColumnParallelDense
+    from keras_comm.parallel import _common
+
+    assert _common.shape_only is keras_api.in_symbolic_build
+    assert "_in_keras_symbolic_build" not in vars(_collective)
+    strategy = make_strategy(2)
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(keras_api.in_symbolic_build())
+            return x
+
+    probe = Probe()
+    with strategy.scope():
+        keras.Sequential([keras.Input((3,)), probe])  # traced on placeholders
+        assert not keras_api.in_symbolic_build()  # cross-replica, no symbolic scope
+    assert seen == [True]
+    keras.Sequential([keras.Input((3,)), Probe()])  # no strategy: one replica
+    assert seen == [True, False]
+    run_replicas(strategy, lambda: probe(tf.ones([1, 3])))  # replica context
+    assert seen == [True, False, False, False]
+
+    with strategy.scope():
+        layer = ColumnParallelDense(4)
+        model = keras.Sequential([keras.Input((3,)), layer])  # stand-ins: builds
+        with pytest.raises(RuntimeError, match="cross-replica context"):
+            model(tf.ones([2, 3]))

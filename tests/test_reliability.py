@@ -63,6 +63,28 @@ def test_stalled_peer_in_fit_is_an_error_on_every_live_worker():
 
 
 @pytest.mark.multiprocess
+def test_a_collective_that_cannot_complete_in_predict_is_keras_comms_timeout_error():
+    # 2 workers; only rank 0 issues one of the model's all-reduces. Rank 0
+    # waits in it (no TF timeout: the step's guard covers it); rank 1 waits in
+    # the strategy's own gather of the outputs, which carries TF's per-op
+    # timeout (communication_options) and may fire first with TF's text.
+    result = run_cluster(WORKER, 2, "predict", timeout=120)
+    if result.results[0] is None:
+        # As above: TF may crash while aborting a timed-out ring; not a hang.
+        assert "worker rank" in result.output and "failed" in result.output, result.tail()
+        return
+    for rank in (0, 1):
+        r = result.results[rank]
+        if r is not None:
+            error = r["error"]
+            assert error is not None and error["type"] == "DeadlineExceededError", (rank, r)
+            assert error["seconds"] < TIMEOUT + 30, (rank, error)  # includes tracing
+    message = result.results[0]["error"]["message"]
+    assert message.startswith("keras_comm: the model's predict_step did not finish within 3 s"), message
+    assert "layer 'one_sided' (all_reduce over group [0, 1]" in message, message
+
+
+@pytest.mark.multiprocess
 def test_mismatched_calls_are_named_on_both_ranks_and_eager_timeout():
     result = run_cluster(WORKER, 2, "mismatch", timeout=150).check()
     expected = {

@@ -11,11 +11,12 @@ mirrors; tests/test_private_api.py hashes their source per Keras version.
 import sys
 
 import keras
+import tensorflow as tf
 
 # --- The TensorFlow trainer: the step owner installs itself here -------------
 
 #: `TensorFlowTrainer` methods `keras_comm.compat` replaces.
-TRAINER_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step")
+TRAINER_METHODS = ("_maybe_symbolic_build", "_make_function", "train_step", "make_predict_function")
 # Originals are stored on the patched module itself (not in keras_comm) so that
 # re-importing or reloading keras_comm cannot mistake a patched function for
 # an original one.
@@ -222,6 +223,20 @@ def autoconvert_optionals(model, step):
     return step if wrap is None else wrap(step)
 
 
+def concat_replica_outputs(outputs, strategy):
+    """The replicas' predictions of one batch, concatenated in input order.
+
+    Upstream's predict step does this with the private `reduce_per_replica`
+    (``reduction="concat"``): locally the replicas' results in order, across
+    workers an all-gather of every replica's rows (of possibly different
+    sizes) reordered to the input's order. keras_comm's predict step
+    (`training.step.make_predict_function`) returns the same.
+    """
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer.reduce_per_replica(outputs, strategy, reduction="concat")
+
+
 def symbolic_build(model, data_batch):
     """Builds `model`'s weights, metrics and optimizer from a batch's specs.
 
@@ -300,6 +315,30 @@ def in_symbolic_scope():
     """
     scope = sys.modules.get("keras.src.backend.common.symbolic_scope")
     return scope is not None and scope.in_symbolic_scope()
+
+
+def in_symbolic_build():
+    """True while Keras traces layers for shapes outside any replica.
+
+    Keras's symbolic build (before `fit`/`evaluate`'s first step), building
+    a Functional model, `compute_output_spec` and `summary` call layers on
+    placeholders in Keras's symbolic scope; under a strategy with several
+    replicas that happens in cross-replica context, where there is no "this
+    replica" and nothing may be communicated. keras_comm's collectives and
+    parallel layers then return local stand-ins of the right shape and dtype
+    (and use rank 0's group). The one detector for both tiers.
+
+    Outside the symbolic scope, cross-replica context stays an error (a
+    collective raises `RuntimeError` naming the fix): computing stand-ins
+    there would return wrong values silently.
+    """
+    return (
+        in_symbolic_scope()
+        and not tf.executing_eagerly()
+        and tf.distribute.has_strategy()
+        and tf.distribute.in_cross_replica_context()
+        and tf.distribute.get_strategy().num_replicas_in_sync > 1
+    )
 
 
 # --- Fully sharded layers: weights without storage, checkpoints by structure --
@@ -416,7 +455,7 @@ def _keras_saveable():
 def relied_on():
     """The private Keras functions keras_comm replaces, calls or mirrors, by name.
 
-    Replaced (their originals): the three trainer methods and the
+    Replaced (their originals): the four trainer methods and the
     optimizer's gradient all-reduce. Called: the accessors above. Mirrored or
     relied on for behaviour: the base trainer's metric logs (the exact metric
     reduction mirrors `get_metrics_result` and the key test of
@@ -462,6 +501,8 @@ def relied_on():
             "_autoconvert_optionals"
         ),
         "TFEpochIterator._get_iterator": tf_trainer.TFEpochIterator._get_iterator,
+        # keras_comm's predict step is called as upstream's: a list of batches.
+        "TensorFlowTrainer.predict": tf_trainer.TensorFlowTrainer.predict,
         "Trainer._symbolic_build": trainer._symbolic_build,
         "Trainer._compute_loss": trainer._compute_loss,
         "Trainer.get_metrics_result": trainer.get_metrics_result,

@@ -146,8 +146,9 @@ class MiniStepCounter(PerReplicaAccumulator):
     """An accumulator released every `accumulation_steps` backwards.
 
     Adds the per-replica int64 ``step`` counter (built after the
-    accumulator) and calls the op named by `_op` with both; the subclass
-    stores `accumulation_steps`.
+    accumulator) and calls the op named by `_op` with both, plus the
+    keywords `_op_kwargs` returns (none unless the subclass adds its own);
+    the subclass stores `accumulation_steps`.
     """
 
     def build(self, input_shape):
@@ -164,7 +165,11 @@ class MiniStepCounter(PerReplicaAccumulator):
             self.group,
             timeout=self.timeout,
             name=self.name,
+            **self._op_kwargs(),
         )
+
+    def _op_kwargs(self):
+        return {}
 
     def get_config(self):
         config = super().get_config()

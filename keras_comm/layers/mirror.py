@@ -310,19 +310,8 @@ class MiniStepAllGather(MiniStepCounter, _StepAllGather):
             return tuple(input_shape)
         return self._output_shape(input_shape)
 
-    def call(self, inputs):
-        return self._op(
-            inputs,
-            self._accumulator_variable(),
-            _tf_variable(self.step),
-            self.accumulation_steps,
-            self.mean,
-            self.group,
-            shard_accumulator=self.shard_accumulator,
-            fusion=self.fusion,
-            timeout=self.timeout,
-            name=self.name,
-        )
+    def _op_kwargs(self):
+        return {"shard_accumulator": self.shard_accumulator, "fusion": self.fusion}
 
     def get_config(self):
         config_ = super().get_config()

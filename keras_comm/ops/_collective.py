@@ -183,7 +183,7 @@ def resolve(group=None, timeout=None, name=None):
         RuntimeError: in cross-replica context of a multi-replica strategy.
     """
     what = f"keras_comm op {name!r}" if name else "keras_comm collectives"
-    symbolic = _in_keras_symbolic_build()
+    symbolic = keras_api.in_symbolic_build()
     if symbolic:
         replica = topology.Replica(0, tf.distribute.get_strategy().num_replicas_in_sync, "")
     else:
@@ -197,21 +197,6 @@ def resolve(group=None, timeout=None, name=None):
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
     return Call(replica, group, timeout, name, symbolic)
-
-
-def _in_keras_symbolic_build():
-    """True while Keras infers output specs (`model.fit`'s symbolic build).
-
-    Keras then calls layers on placeholders in cross-replica context, where
-    there is no "this replica" and nothing may be communicated.
-    """
-    return (
-        keras_api.in_symbolic_scope()
-        and not tf.executing_eagerly()
-        and tf.distribute.has_strategy()
-        and tf.distribute.in_cross_replica_context()
-        and tf.distribute.get_strategy().num_replicas_in_sync > 1
-    )
 
 
 def _stand_in(kind, x, call):
@@ -424,26 +409,34 @@ def broadcast(x, call, root_index):
     if _statically_empty(x):
         with tf.device(call.device):
             return tf.identity(x)
-    key, instance, timeout = call._keys()
-    kwargs = dict(
-        group_size=call.size,
-        group_key=key,
-        instance_key=instance,
-        communication_hint=_hint(),
-        timeout=timeout,
-    )
     if call.index == root_index:
-
-        def fn():
-            # The send's output must be used, or tf.function prunes the op.
-            return tf_api.broadcast_send_v2(x, **kwargs)
-
+        # The send's output must be used, or tf.function prunes the op.
+        launch = functools.partial(tf_api.broadcast_send_v2, x)
     else:
+        launch = lambda **kw: tf_api.broadcast_recv_v2(tf.shape(x), x.dtype, **kw)  # noqa: E731
+    return _broadcast_chained(call, "broadcast", info, launch, call.size)
 
-        def fn():
-            return tf_api.broadcast_recv_v2(tf.shape(x), x.dtype, **kwargs)
 
-    with tf.name_scope(_op_name(call.name, "broadcast")), errors._translating(info):
+def _broadcast_chained(call, kind, info, launch, group_size, key=None):
+    """Issues one broadcast send or receive, ordered by `_chained`.
+
+    `launch` is `tf_api.broadcast_send_v2` or `broadcast_recv_v2` with its
+    tensor (or shape and dtype) bound; `key` is the group key (None: the
+    call's group's). Serves `broadcast` and the point-to-point `send` and
+    `recv` (two-member broadcasts).
+    """
+    key, instance, timeout = call._keys(key)
+
+    def fn():
+        return launch(
+            group_size=group_size,
+            group_key=key,
+            instance_key=instance,
+            communication_hint=_hint(),
+            timeout=timeout,
+        )
+
+    with tf.name_scope(_op_name(call.name, kind)), errors._translating(info):
         return _chained(call, fn)
 
 
@@ -461,20 +454,8 @@ def send(x, call, dest, tag=0):
         return tf.identity(x)
     _fusion.settle([x])
     info = _record(call, "send")
-    key, instance, timeout = call._keys(_pair_key(call.replica.rank, dest, tag))
-
-    def fn():
-        return tf_api.broadcast_send_v2(
-            x,
-            group_size=2,
-            group_key=key,
-            instance_key=instance,
-            communication_hint=_hint(),
-            timeout=timeout,
-        )
-
-    with tf.name_scope(_op_name(call.name, "send")), errors._translating(info):
-        return _chained(call, fn)
+    launch = functools.partial(tf_api.broadcast_send_v2, x)
+    return _broadcast_chained(call, "send", info, launch, 2, _pair_key(call.replica.rank, dest, tag))
 
 
 def recv(shape, dtype, call, src, tag=0):
@@ -483,18 +464,5 @@ def recv(shape, dtype, call, src, tag=0):
         return tf.zeros(shape, dtype)
     _fusion.settle([])
     info = _record(call, "recv")
-    key, instance, timeout = call._keys(_pair_key(call.replica.rank, src, tag))
-
-    def fn():
-        return tf_api.broadcast_recv_v2(
-            shape,
-            dtype,
-            group_size=2,
-            group_key=key,
-            instance_key=instance,
-            communication_hint=_hint(),
-            timeout=timeout,
-        )
-
-    with tf.name_scope(_op_name(call.name, "recv")), errors._translating(info):
-        return _chained(call, fn)
+    launch = functools.partial(tf_api.broadcast_recv_v2, shape, dtype)
+    return _broadcast_chained(call, "recv", info, launch, 2, _pair_key(call.replica.rank, src, tag))

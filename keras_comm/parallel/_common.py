@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_comm import _validation
 from keras_comm import ops
 from keras_comm import topology
+from keras_comm._private import keras_api
 from keras_comm.layers._base import CollectiveLayer
 from keras_comm.parallel import mesh as mesh_lib
 
@@ -95,19 +96,11 @@ class ParallelLayer(CollectiveLayer):
         return config
 
 
-def shape_only():
-    """True when Keras traces a layer for shapes in cross-replica context.
-
-    Keras's symbolic build (`model.fit`, `compute_output_spec`) calls layers
-    on placeholder tensors outside any replica. There is no "this replica"
-    and nothing may be communicated, so the layers use local stand-ins with
-    the same output shapes (`tile`, slices) and rank 0's group.
-    """
-    return (
-        tf.distribute.has_strategy()
-        and tf.distribute.in_cross_replica_context()
-        and tf.distribute.get_strategy().num_replicas_in_sync > 1
-    )
+# True when Keras traces a layer for shapes in cross-replica context (its
+# symbolic build): the layers then use local stand-ins with the same output
+# shapes (`tile`, slices) and rank 0's group. The same detector as the
+# collectives' (see keras_api.in_symbolic_build).
+shape_only = keras_api.in_symbolic_build
 
 
 def my_rank():

@@ -1,7 +1,7 @@
 """The training step: one owner that compiles it, policies that plug into it.
 
-`keras_comm.training.step` is the only code that compiles a train, test or
-flush step: the host loop of `steps_per_execution`, the fusion scope, the
+`keras_comm.training.step` is the only code that compiles a train, test,
+predict or flush step: the host loop of `steps_per_execution`, the fusion scope, the
 watchdog guard, the exact metric reduction and the error translation.
 `keras_comm.compat` installs it into Keras's trainer;
 `keras_comm.callbacks.ParallelOptimizer` asks it for its step functions.

@@ -1,13 +1,15 @@
 """The step owner: turns a per-replica step into the host function `fit` calls.
 
 Every compiled step keras_comm runs is made here, by `make_function` (one
-micro-batch per step, under MultiWorkerMirroredStrategy) or
+micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
+`evaluate`'s), `make_predict_function` (`predict`'s) or
 `compile_replica_call` (a step with no input batch). In order, a step:
 
 1. pulls one batch on the host (the host loop of `steps_per_execution`);
 2. runs the policy's replica step under `strategy.run` inside one
    `fusion_scope` (all-reduces sharing a `fusion` id become one transfer);
-3. reduces its outputs: exact global metrics (`keras_comm.training.metrics`);
+3. reduces its outputs: exact global metrics (`keras_comm.training.metrics`),
+   or for `predict` the replicas' outputs concatenated in input order;
 4. is watched as a whole by `keras_comm.watchdog.guard` (the collective
    timeout, with no per-op TensorFlow threads), whose clock starts when
    tracing ends;
@@ -139,6 +141,75 @@ def make_function(model, replica_step):
         return outputs
 
     return function
+
+
+def make_predict_function(model, force=False):
+    """Sets `model.predict_function` to a guarded per-batch predict step.
+
+    Replaces `TensorFlowTrainer.make_predict_function` under
+    MultiWorkerMirroredStrategy (other strategies get upstream's), so that
+    `predict` runs like `fit`'s and `evaluate`'s steps: each batch under
+    `strategy.run` in one `fusion_scope`, the call under `watchdog.guard`
+    (a collective that never completes raises keras_comm's timeout error
+    instead of waiting forever; its collectives take no per-op TensorFlow
+    timeout threads) with collective errors translated. Upstream's predict
+    step runs outside any guard.
+
+    What a batch returns is upstream's: the replicas' outputs concatenated
+    in input order (`keras_api.concat_replica_outputs`; across workers an
+    all-gather, so every worker returns the whole input's predictions).
+    `steps_per_execution` batches arrive together (Keras's `predict` passes
+    a list of them); they run as a host loop of single steps, as in
+    `make_function`, and their outputs are concatenated on the host.
+
+    Args:
+        model: the Keras model.
+        force: rebuild even if `model.predict_function` is set.
+
+    Returns:
+        The function, ``function(batches) -> outputs``, also stored as
+        `model.predict_function`.
+    """
+    if model.predict_function is not None and not force:
+        return model.predict_function
+    strategy = model.distribute_strategy
+    if not is_mwms(strategy):
+        return keras_api.trainer_method("make_predict_function")(model, force)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        with fusion_scope():
+            outputs = strategy.run(model.predict_step, args=(data,))
+        outputs = keras_api.concat_replica_outputs(outputs, strategy)
+        if not model.run_eagerly:
+            watchdog.restart()  # tracing ends here: the step's clock starts
+        return outputs
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True)
+    one_step_on_data = keras_api.autoconvert_optionals(model, one_step_on_data)
+    site = watchdog.Site("the model's predict_step")
+
+    def function(batches):
+        outputs = []
+        for data in batches:
+            with errors.collective_errors(), watchdog.guard(site):
+                outputs.append(one_step_on_data(data))
+        return tf.nest.map_structure(lambda *steps: _concat(steps), *outputs)
+
+    model.predict_function = function
+    return function
+
+
+def _concat(tensors):
+    """Batch outputs of consecutive steps, joined along the batch axis."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if isinstance(tensors[0], tf.SparseTensor):
+        return tf.sparse.concat(axis=0, sp_inputs=list(tensors))
+    if tensors[0].shape.rank == 0:
+        return tf.stack(tensors)
+    return tf.concat(tensors, axis=0)
 
 
 def compile_replica_call(strategy, replica_fn, what):

@@ -10,6 +10,9 @@
   an eager collective whose peer never comes (translated in eager mode).
 * ``crash``: `model.fit`; rank 1 SIGKILLs itself at batch 3 (the test times
   the launcher).
+* ``predict``: `model.predict` of the ``timeout`` model with a layer whose
+  all-reduce only rank 0 issues. Rank 0 must get keras_comm's timeout error
+  naming the predict step (predict runs under the step owner's guard).
 
 A collective timeout aborts every later collective in the process, so each
 timeout is the last collective a worker runs.
@@ -88,6 +91,33 @@ def timeout_mode(strategy, rank, n):
     except tf.errors.OpError as e:
         result["error"] = _error_record(e, last_batch["t"])
     result["last_batch"] = last_batch["batch"]
+    write_result(result)
+
+
+class _OneSided(keras.layers.Layer):
+    """An all-reduce only rank 0 issues: a collective that cannot complete."""
+
+    def call(self, x):
+        # Keras's symbolic build calls layers outside any replica.
+        if not tf.distribute.in_cross_replica_context() and keras_comm.rank() == 0:
+            x = x + 0.0 * ops.all_reduce(x, name="one_sided")
+        return x
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+def predict_mode(strategy, rank, n):
+    with strategy.scope():
+        model = _model()
+        model = keras.Sequential([model, _OneSided()])
+    x, _ = _data(n, 2)
+    start = time.time()
+    try:
+        model.predict(x, batch_size=8 * n, verbose=0)
+        result = {"error": None}
+    except tf.errors.OpError as e:
+        result = {"error": _error_record(e, start)}
     write_result(result)
 
 
@@ -186,7 +216,8 @@ def main():
         communication_options=keras_comm.communication_options()
     )
     rank, n = worker_rank(), strategy.num_replicas_in_sync
-    {"timeout": timeout_mode, "mismatch": mismatch_mode, "crash": crash_mode}[mode](
+    modes = {"timeout": timeout_mode, "mismatch": mismatch_mode, "crash": crash_mode, "predict": predict_mode}
+    modes[mode](
         strategy, rank, n
     )
 
