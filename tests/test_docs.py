@@ -9,7 +9,9 @@ comment on the line just before the block's opening fence:
   ``bash -euo pipefail`` from the repository root.
 * ``<!-- test: cluster -->``: the python block is a script run on 2 local
   worker processes (keras_comm/launch.py through `_cluster.run_cluster`);
-  every worker must exit 0.
+  every worker must exit 0. All cluster blocks run in one launch, one after
+  the other in fresh namespaces, sharing that launch's strategy (see
+  `test_cluster_blocks`); a failing block is named by its file:line.
 * ``<!-- test: skip REASON -->``: not run here; reported as a skipped test
   with its REASON (e.g. it needs GPUs or a Slurm allocation). A skip
   without a reason fails.
