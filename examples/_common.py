@@ -30,6 +30,10 @@ def parser(doc, epochs, batch_size, learning_rate):
     p.add_argument("--seed", type=int, default=0, help="seed for the data split and the initial weights")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process reference run")
     p.add_argument("--results", default=None, help="write the final metrics as JSON to this file (chief only)")
+    p.add_argument(
+        "--train-samples", type=int, default=None,
+        help="train on the first N training digits only, for a quick run (default: all 1,437)",
+    )
     return p
 
 
@@ -39,6 +43,8 @@ def parse(p, argv=None, positive=("epochs", "batch_size")):
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    if getattr(args, "train_samples", None) is not None and args.train_samples < 1:
+        p.error(f"--train-samples must be >= 1. Received: {args.train_samples}")
     return args
 
 
@@ -47,7 +53,7 @@ def quiet_tensorflow():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def load_digits(seed, images=False):
+def load_digits(seed, images=False, train_samples=None):
     """scikit-learn's digits (shipped inside the package, no download).
 
     1,797 8x8 grey images of handwritten digits, scaled to [0, 1] and split
@@ -56,6 +62,8 @@ def load_digits(seed, images=False):
     Args:
         seed: seed of the split.
         images: return images (N, 8, 8, 1) instead of flat vectors (N, 64).
+        train_samples: keep only the first this many training samples (None:
+            all); the test set is always whole.
 
     Returns:
         x_train, x_test, y_train, y_test (float32 inputs, int32 labels).
@@ -68,7 +76,10 @@ def load_digits(seed, images=False):
     x = (x / 16.0).astype(np.float32)
     if images:
         x = x.reshape(-1, 8, 8, 1)
-    return train_test_split(x, y.astype(np.int32), test_size=0.2, random_state=seed, stratify=y)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y.astype(np.int32), test_size=0.2, random_state=seed, stratify=y
+    )
+    return x_train[:train_samples], x_test, y_train[:train_samples], y_test
 
 
 def global_batches(x, y, batch_size, drop_remainder=False):

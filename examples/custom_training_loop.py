@@ -124,7 +124,7 @@ def main(argv=None):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
 
     with strategy.scope():
         model = build_model(args.hidden, args.seed)

@@ -81,7 +81,7 @@ def main(argv=None):
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
     train = _common.global_batches(x_train, y_train, args.batch_size)
     test = _common.global_batches(x_test, y_test, args.batch_size)
 

@@ -65,7 +65,7 @@ def main(argv=None):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
     if args.batch_size % n:
         raise SystemExit(f"--batch-size must be divisible by the {n} replicas. Received: {args.batch_size}")
     train = _common.global_batches(x_train, y_train, args.batch_size, drop_remainder=True)

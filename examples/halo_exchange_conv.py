@@ -232,7 +232,7 @@ def main(argv=None):
     # Each strip must keep >= 1 row after the 2x2 pooling, and pool cleanly.
     if (IMAGE_ROWS // 2) % n:
         raise SystemExit(f"halo_exchange_conv.py runs on 1, 2 or 4 replicas. Received: {n} replicas")
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, images=True)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, images=True, train_samples=args.train_samples)
 
     reference = build_whole_image_model(args.filters, args.seed)
     initial_weights = reference.get_weights()

@@ -82,7 +82,7 @@ def main(argv=None):
             f"Received: --experts {args.experts}, --batch-size {args.batch_size}"
         )
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
     # Every worker must hold equally many samples (the AlltoAll exchanges
     # equal blocks): drop the last, partial training batch and evaluate the
     # test set (trimmed to a multiple of n) as one batch.

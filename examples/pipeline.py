@@ -93,7 +93,7 @@ def main(argv=None):
             f"Received: {args.batch_size}"
         )
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
     # Every worker of the pipeline holds equally many samples of each batch,
     # so the last, partial training batch is dropped and the test set
     # (trimmed to a multiple of the micro-batch split) is one batch.

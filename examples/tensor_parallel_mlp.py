@@ -90,7 +90,7 @@ def main(argv=None):
     # Rows of the mesh are data-parallel copies; columns split the weights.
     mesh = keras_comm.parallel.Mesh((n // k, k), ("data", "model"))
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed)
+    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
     if args.batch_size % n:
         raise SystemExit(f"--batch-size must be divisible by the {n} replicas. Received: {args.batch_size}")
     # The workers of a model group must hold equally many samples, so the

@@ -11,7 +11,9 @@ FLOAT32_TOLERANCE = 1e-6
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("num_workers", [2, 3])
+# 3 workers only: the worker has no branch on the worker count, and 3 (uneven
+# splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
+@pytest.mark.parametrize("num_workers", [3])
 def test_collectives_match_simulation(num_workers):
     result = run_cluster("workers/collectives_worker.py", num_workers, timeout=240).check()
     for rank, res in enumerate(result.results):

@@ -190,7 +190,9 @@ def test_fit_evaluate_predict_exact_with_local_replicas(reference):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("num_workers", [2, 3])
+# 3 workers only: the worker has no branch on the worker count, and 3 (uneven
+# splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
+@pytest.mark.parametrize("num_workers", [3])
 def test_tutorial_flow_across_workers_matches_single_process(reference, num_workers):
     result = run_cluster("compat_workers/fit_flow.py", num_workers, timeout=240).check()
     first = result.results[0]

@@ -19,7 +19,9 @@ def _spread(per_worker):
     )
 
 
-@pytest.mark.parametrize("num_workers", [2, 3])
+# 3 workers only: the worker has no branch on the worker count, and 3 (uneven
+# splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
+@pytest.mark.parametrize("num_workers", [3])
 def test_non_trainable_state_agrees_across_workers(num_workers):
     result = run_cluster("workers/nontrainable_worker.py", num_workers, timeout=240).check()
     rs = result.results

@@ -264,3 +264,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from _cluster import finish
+
+    finish()  # skip the slow teardown
