@@ -1,5 +1,12 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
+Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
+of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
+`next` on a distributed iterator runs its end-of-data all-reduce through a
+`multiprocessing.pool.ThreadPool` TensorFlow creates per call), and no
+iterator a step ran on is destroyed on the host thread (its destructor
+joins tf.data's threads and blocked the first step of every later epoch).
+
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).
 
@@ -13,11 +20,16 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
+import multiprocessing.pool
+import threading
+import traceback
+import weakref
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -38,12 +50,36 @@ class _TraceLog(keras.callbacks.Callback):
         super().__init__()
         self.epoch = "before fit"
         self.traces = collections.defaultdict(list)
+        # Per epoch: ThreadPools created (eager distributed `next`s), and
+        # for each iterator a step ran on and that was destroyed, the thread
+        # that destroyed it.
+        self.pools = collections.Counter()
+        self.destroyed_on = collections.defaultdict(list)
+        self._used = set()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+
     def record(self, name):
         self.traces[self.epoch].append(name)
+
+    def on_train_begin(self, logs=None):
+        train_function = self.model.train_function
+
+        def recording(iterator):
+            self._used.add(id(iterator))
+            return train_function(iterator)
+
+        self.model.train_function = recording
+
+    def track(self, iterator):
+        weakref.finalize(iterator, self._destroyed, id(iterator))
+
+    def _destroyed(self, key):
+        if key in self._used:
+            self._used.discard(key)
+            self.destroyed_on[self.epoch].append(threading.current_thread().name)
 
 
 class _TracesEveryEpoch(keras.callbacks.Callback):
@@ -61,6 +97,25 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return original(name, python_func, *args, **kwargs)
 
     monkeypatch.setattr(func_graph, "func_graph_from_py_func", recording)
+    original_iter = input_lib.DistributedDataset.__iter__
+
+    def tracked_iter(self):
+        iterator = original_iter(self)
+        log.track(iterator)
+        return iterator
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", tracked_iter)
+    original_pool = multiprocessing.pool.ThreadPool
+
+    def counted_pool(*args, **kwargs):
+        # Only the pools of an eager distributed `next` (the epoch-end reads
+        # of metric variables reduce eagerly too, upstream's and tf-keras's
+        # alike, once per variable per epoch).
+        if any(f.name == "_calculate_replicas_with_values" for f in traceback.extract_stack()):
+            log.pools[log.epoch] += 1
+        return original_pool(*args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.pool, "ThreadPool", counted_pool)
     rng = np.random.default_rng(0)
     # 100 samples in batches of 16: 6 full batches and a partial one, so the
     # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
@@ -83,10 +138,11 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         verbose=0,
         callbacks=[log, *extra_callbacks],
     )
-    return log.traces
+    return log
 
 
-def _check(traces, step="one_step_on_data"):
+def _check(log, step="one_step_on_data"):
+    traces = log.traces
     # `step`: the compiled step's name (upstream Keras's outside MWMS,
     # keras_comm's `training.step` under it).
     first = traces[0]
@@ -105,18 +161,28 @@ def test_no_retrace_after_first_epoch_single_process(monkeypatch):
 
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
-    _check(
-        _fit_logging_traces(monkeypatch, make_strategy(num_replicas)),
-        step="one_step_on_data",
-    )
+    log = _fit_logging_traces(monkeypatch, make_strategy(num_replicas))
+    # keras_comm's step takes the batch as a `tf.experimental.Optional`
+    # pulled by a compiled `next_optional`.
+    _check(log, step="one_step_on_optional")
+    # The data path, counted (issue 18): no eager `next` (each creates a
+    # ThreadPool for its end-of-data all-reduce: 7 per epoch before), and
+    # each epoch's iterator is released off the host thread.
+    assert dict(log.pools) == {}, dict(log.pools)
+    main = threading.main_thread().name
+    destroyed = [n for epoch in range(EPOCHS) for n in log.destroyed_on[epoch]]
+    # Every epoch but the last has handed over its train iterator (the
+    # validation iterators are upstream Keras's and are not counted).
+    assert len(destroyed) >= EPOCHS - 1, dict(log.destroyed_on)
+    assert main not in destroyed, dict(log.destroyed_on)
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
-    traces = _fit_logging_traces(
+    log = _fit_logging_traces(
         monkeypatch, tf.distribute.get_strategy(), [_TracesEveryEpoch()]
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
-        _check(traces)
+        _check(log)
 
 
 def test_end_of_data_call_runs_nothing_of_the_step():
