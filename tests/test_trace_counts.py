@@ -20,9 +20,8 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
-import multiprocessing.pool
 import threading
-import traceback
+import time
 import weakref
 
 import keras
@@ -50,10 +49,10 @@ class _TraceLog(keras.callbacks.Callback):
         super().__init__()
         self.epoch = "before fit"
         self.traces = collections.defaultdict(list)
-        # Per epoch: ThreadPools created (eager distributed `next`s), and
+        # Per epoch: batches pulled eagerly from a distributed iterator, and
         # for each iterator a step ran on and that was destroyed, the thread
         # that destroyed it.
-        self.pools = collections.Counter()
+        self.eager_nexts = collections.Counter()
         self.destroyed_on = collections.defaultdict(list)
         self._used = set()
 
@@ -105,17 +104,15 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return iterator
 
     monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", tracked_iter)
-    original_pool = multiprocessing.pool.ThreadPool
+    for method in ("get_next", "get_next_as_optional"):
+        original_method = getattr(input_lib.DistributedIterator, method)
 
-    def counted_pool(*args, **kwargs):
-        # Only the pools of an eager distributed `next` (the epoch-end reads
-        # of metric variables reduce eagerly too, upstream's and tf-keras's
-        # alike, once per variable per epoch).
-        if any(f.name == "_calculate_replicas_with_values" for f in traceback.extract_stack()):
-            log.pools[log.epoch] += 1
-        return original_pool(*args, **kwargs)
+        def counted(self, *args, _original=original_method, **kwargs):
+            if tf.executing_eagerly():
+                log.eager_nexts[log.epoch] += 1
+            return _original(self, *args, **kwargs)
 
-    monkeypatch.setattr(multiprocessing.pool, "ThreadPool", counted_pool)
+        monkeypatch.setattr(input_lib.DistributedIterator, method, counted)
     rng = np.random.default_rng(0)
     # 100 samples in batches of 16: 6 full batches and a partial one, so the
     # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
@@ -165,16 +162,20 @@ def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
     # keras_comm's step takes the batch as a `tf.experimental.Optional`
     # pulled by a compiled `next_optional`.
     _check(log, step="one_step_on_optional")
-    # The data path, counted (issue 18): no eager `next` (each creates a
-    # ThreadPool for its end-of-data all-reduce: 7 per epoch before), and
-    # each epoch's iterator is released off the host thread.
-    assert dict(log.pools) == {}, dict(log.pools)
-    main = threading.main_thread().name
-    destroyed = [n for epoch in range(EPOCHS) for n in log.destroyed_on[epoch]]
+    # The data path, counted (issue 18): no batch pulled eagerly (on real
+    # workers each eager pull all-reduces "has data" through a new
+    # ThreadPool: 7 train + 7 validation pulls per epoch here before), and
+    # each epoch's train iterator released off the host thread.
+    assert dict(log.eager_nexts) == {}, dict(log.eager_nexts)
+    destroyed = lambda: [n for names in log.destroyed_on.values() for n in names]  # noqa: E731
+    # The release runs beside the next epoch: wait for the last hand-over.
+    deadline = time.monotonic() + 30
+    while len(destroyed()) < EPOCHS - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     # Every epoch but the last has handed over its train iterator (the
     # validation iterators are upstream Keras's and are not counted).
-    assert len(destroyed) >= EPOCHS - 1, dict(log.destroyed_on)
-    assert main not in destroyed, dict(log.destroyed_on)
+    assert len(destroyed()) >= EPOCHS - 1, dict(log.destroyed_on)
+    assert threading.main_thread().name not in destroyed(), dict(log.destroyed_on)
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
