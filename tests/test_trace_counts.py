@@ -28,6 +28,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.data.ops import dataset_ops
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
@@ -104,6 +105,15 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return iterator
 
     monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", tracked_iter)
+    # One process: Keras iterates the dataset itself.
+    original_dataset_iter = dataset_ops.DatasetV2.__iter__
+
+    def tracked_dataset_iter(self):
+        iterator = original_dataset_iter(self)
+        log.track(iterator)
+        return iterator
+
+    monkeypatch.setattr(dataset_ops.DatasetV2, "__iter__", tracked_dataset_iter)
     for method in ("get_next", "get_next_as_optional"):
         original_method = getattr(input_lib.DistributedIterator, method)
 
@@ -153,7 +163,9 @@ def _check(log, step="one_step_on_data"):
 
 
 def test_no_retrace_after_first_epoch_single_process(monkeypatch):
-    _check(_fit_logging_traces(monkeypatch, tf.distribute.get_strategy()))
+    log = _fit_logging_traces(monkeypatch, tf.distribute.get_strategy())
+    _check(log)
+    _check_released(log)
 
 
 @pytest.mark.parametrize("num_replicas", [2])
@@ -167,6 +179,10 @@ def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
     # ThreadPool: 7 train + 7 validation pulls per epoch here before), and
     # each epoch's train iterator released off the host thread.
     assert dict(log.eager_nexts) == {}, dict(log.eager_nexts)
+    _check_released(log)
+
+
+def _check_released(log):
     destroyed = lambda: [n for names in log.destroyed_on.values() for n in names]  # noqa: E731
     # The release runs beside the next epoch: wait for the last hand-over.
     deadline = time.monotonic() + 30

@@ -17,6 +17,7 @@ micro-batch per step, under MultiWorkerMirroredStrategy) or
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
+import functools
 import queue
 import threading
 
@@ -101,7 +102,8 @@ def make_function(model, replica_step):
     """
     strategy = model.distribute_strategy
     if not is_mwms(strategy):
-        return keras_api.trainer_method("_make_function")(model, replica_step)
+        upstream = keras_api.trainer_method("_make_function")(model, replica_step)
+        return _releasing_previous_iterator(upstream)
 
     def step_on_replica(data):
         return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
@@ -147,16 +149,8 @@ def make_function(model, replica_step):
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
 
-    # The iterator of the latest call, so that `fit` does not drop the last
-    # reference to the previous epoch's iterator on the host thread: see
-    # `_release_in_background`.
-    current = [None]
-
+    @_releasing_previous_iterator
     def function(iterator):
-        if iterator is not current[0]:
-            previous = [current[0]]
-            current[0] = iterator
-            _release_in_background(previous)
         outputs = None
         for _ in range(model.steps_per_execution):
             with errors.collective_errors(), watchdog.guard(site):
@@ -176,6 +170,27 @@ def make_function(model, replica_step):
         return outputs
 
     return function
+
+
+def _releasing_previous_iterator(function):
+    """`function(iterator)` holding its latest iterator, released when the next comes.
+
+    So that `fit` does not drop the last reference to the previous epoch's
+    iterator on the host thread (see `_release_in_background`). Upstream's
+    function (single process, one replica) gets it too: stock Keras stalls
+    there the same way, less.
+    """
+    current = [None]
+
+    @functools.wraps(function)
+    def holding(iterator):
+        if iterator is not current[0]:
+            previous = [current[0]]
+            current[0] = iterator
+            _release_in_background(previous)
+        return function(iterator)
+
+    return holding
 
 
 _released = queue.SimpleQueue()
