@@ -93,6 +93,27 @@ def test_accumulation_modes_match_the_large_batch(steps, accumulation):
 
 
 @pytest.mark.inprocess
+def test_local_accumulation_refuses_windows_out_of_step():
+    """"local" reduce-scatters on every k-th backward: a fit whose updates
+    fall elsewhere would train on wrong gradients, so it is refused."""
+    strategy = make_strategy(2)
+    x, y = cases.data("mlp", 40)  # 5 batches of 8
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = P.fully_shard(cases.mlp(), accumulation="local", accumulation_steps=2)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    po = keras_comm.callbacks.ParallelOptimizer
+    cases_ = [  # (a failed fit leaves its ParallelOptimizer registered: no-callback first)
+        ([], r"ParallelOptimizer\(accumulation_steps=2\).*Received: no ParallelOptimizer"),
+        ([po(accumulation_steps=2)], r"known multiple of 2.*Received: batches per epoch=5"),
+        ([po(accumulation_steps=3)], r"must equal ParallelOptimizer's.*Received: accumulation_steps=2"),
+    ]
+    for callbacks, match in cases_:
+        with pytest.raises(ValueError, match=match):
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+@pytest.mark.inprocess
 def test_mixed_bfloat16_trains_close_to_the_float32_reference():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
@@ -185,9 +206,9 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     """Files hold every weight and Adam slot full-size in the unwrapped
     layer's structure (below the wrapper's entry); any group size loads them.
 
-    (Keras 3.15 names a file's entries after the layer classes, so the
-    unwrapped model's entries are "dense", the wrapped one's "fully_shard":
-    the unwrapped model does not load the file directly; see the docs.)
+    fully_shard's wrappers write the unwrapped model's entry names ("dense",
+    not Keras's "fully_shard"), so the unwrapped model loads the file: see
+    test_fully_shard_multiprocess for real workers, and below in one process.
     """
     strategy = make_strategy(2)
     x, y = cases.data("mlp", 16)
@@ -203,7 +224,7 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     import h5py
 
     with h5py.File(str(tmp_path / "fs.weights.h5")) as f:
-        kernel = np.asarray(f["layers/fully_shard/vars/0"])
+        kernel = np.asarray(f["layers/dense/vars/0"])  # the unwrapped entry name
         slots = [np.asarray(f["optimizer/vars"][k]) for k in f["optimizer/vars"]]
     np.testing.assert_array_equal(kernel, trained[0])  # full-size, unwrapped shape
     assert (5, 7) in [s.shape for s in slots]  # Adam's kernel moments, full-size
