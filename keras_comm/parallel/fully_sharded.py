@@ -580,6 +580,11 @@ class FullyShard(_common.ParallelLayer):
 
         def forward(xs):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
+            # Gather only once the layer's input exists: TensorFlow runs an op
+            # as soon as its inputs are ready, so every layer's gather (which
+            # depends on nothing but its shards) would otherwise run at the
+            # step's start and hold the whole model's weights at once.
+            s = _after(s, list(d) + [x for j, x in enumerate(inputs) if j not in diff_at])
             flat_y, new_nt, losses, y = self._run(self._gather(s), nt, rebuild(d), structure, extra)
             meta.update(y=y, ny=len(flat_y), nl=len(losses))
             return flat_y + new_nt + losses
@@ -587,7 +592,8 @@ class FullyShard(_common.ParallelLayer):
         def backward(dys, xs, ys):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
             ny = meta["ny"]
-            full = self._gather(s)  # again: the forward kept nothing
+            # Again (the forward kept nothing), once the upstream gradient exists.
+            full = self._gather(_after(s, [u for u in dys if u is not None]))
             # Distinct tensors: an input passed twice (attention(h, h)) must
             # get each position's own gradient, not the total twice.
             d = [tf.identity(x) for x in d]
@@ -737,6 +743,14 @@ def _set_checkpoint_names(model):
             layer.checkpoint_name = name
         elif isinstance(layer, keras.Model):
             _set_checkpoint_names(layer)
+
+
+def _after(tensors, dependencies):
+    """`tensors`, computed only after every tensor in `dependencies`."""
+    if not dependencies or tf.executing_eagerly():
+        return list(tensors)
+    with tf.control_dependencies(dependencies):
+        return [tf.identity(t) for t in tensors]
 
 
 def _reduce_over_other_axes(spec, grad, name):
