@@ -126,6 +126,66 @@ def test_mixed_bfloat16_trains_close_to_the_float32_reference():
 
 
 @pytest.mark.inprocess
+def test_float16_loss_scaling_unscales_once_and_skips_on_every_replica():
+    from keras_comm._private import keras_api
+
+    strategy = make_strategy(2)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        # (a) No overflow (scale 2**8): the shards' gradients are unscaled
+        # exactly once -- vs the unwrapped model in one process.
+        def lso(scale, lr):
+            return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(lr), initial_scale=scale)
+
+        x, y = cases.data("mlp")
+        keras.utils.set_random_seed(0)
+        ref = cases.mlp()
+        ref.compile(lso(256.0, 0.05), "mse")
+        initial = ref.get_weights()
+        ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        unwrapped = cases.mlp()
+        unwrapped.set_weights(initial)
+        with strategy.scope():
+            model = P.fully_shard(unwrapped)
+            model.compile(lso(256.0, 0.05), "mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == 4
+        assert cases.rel(ref.get_weights(), P.full_weights(model)) <= 2e-3  # float16 compute
+
+        # (b) Overflows in one replica's shard only (feature 3 feeds kernel
+        # row 3, the second replica's half): every replica skips those steps,
+        # as the unwrapped model does under the same strategy (whose
+        # all-reduced gradient overflows alike), and halves its scale.
+        rs = np.random.RandomState(0)
+        x = rs.randn(32, 4).astype("float32")
+        x[:, 3] *= 30.0
+        y = rs.randn(32, 1).astype("float32")
+
+        def dense():
+            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")])
+
+        def scales(m):
+            return [float(v.numpy()) for v in strategy.experimental_local_results(
+                keras_api.tf_variable(m.optimizer.dynamic_scale))]
+
+        with strategy.scope():
+            plain = dense()
+            plain.compile(lso(256.0, 1e-3), "mse")
+            model = P.fully_shard(dense())
+            model.compile(lso(256.0, 1e-3), "mse")
+        for m in (plain, model):
+            m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        applied = int(model.optimizer.iterations.numpy())
+        assert 0 < applied < 8 and applied == int(plain.optimizer.iterations.numpy())
+        assert scales(model) == scales(plain) and len(set(scales(model))) == 1
+        weights = P.full_weights(model)
+        assert all(np.isfinite(w).all() for w in weights)
+        assert cases.rel(plain.get_weights(), weights) <= 1e-4  # summation order only
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.inprocess
 def test_batchnorm_statistics_as_plain_data_parallel():
     """Moving statistics stay whole per replica, updated as without sharding."""
     strategy = make_strategy(2)

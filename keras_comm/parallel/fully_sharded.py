@@ -487,7 +487,30 @@ class FullyShard(_common.ParallelLayer):
                 out[i] = piece
         if local:
             self._hidden.count.assign_add(1)
+        if tf.as_dtype(self.compute_dtype) == tf.float16:
+            out = self._poison_if_any_non_finite(grads, out, group)
         return out
+
+    def _poison_if_any_non_finite(self, grads, out, group):
+        """float16 compute (loss scaling): every replica's shard gradients
+        become NaN when any replica's local gradient of this layer overflowed.
+
+        A LossScaleOptimizer skips a step when its gradients are not finite,
+        judging the gradients it holds; here each replica holds a different
+        shard, and an overflow lands in one replica's shard only, so the
+        replicas would disagree: some skip (and halve their loss scale), the
+        others apply the infinity (Keras's multi-replica apply takes the first
+        replica's verdict). One scalar all-reduce per layer makes the verdict
+        the shard group's; the mesh's other axes see the NaN through the
+        shard's sum over them. Exact otherwise (x + 0 == x).
+        """
+        bad = tf.add_n(
+            [tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(g)), tf.float32)) for g in grads]
+        )
+        if group.size > 1 and not _common.shape_only():
+            bad = ops.all_reduce(bad, group=group, timeout=self.timeout, name=f"{self.name}_grad_finite")
+        poison = tf.where(bad > 0, tf.constant(float("nan")), tf.constant(0.0))
+        return [o + tf.cast(poison, o.dtype) for o in out]
 
     def _check_local_window(self):
         """At trace time of a backward with "local" accumulation: the layer's
