@@ -36,6 +36,10 @@ MODELS = {
     "mlp42m": (2048, [4096] * 3, 16),
     # 2048 -> 3 x Dense(8192, relu) -> Dense(6144, relu) -> 16, 201.4M parameters.
     "mlp200m": (2048, [8192] * 3 + [6144], 16),
+    # 2048 -> 13 x Dense(4096, relu) -> 16, 209.8M parameters: the same size in
+    # layers of 64 MiB, so that ZeRO-3's transient (one layer's full weights
+    # and gradient) is small beside the model.
+    "mlp210m": (2048, [4096] * 13, 16),
 }
 
 
@@ -74,6 +78,40 @@ def _plain(strategy, model):
     return build_model(strategy, model), []
 
 
+def _zero3(strategy, model, seed=0):
+    """Every Dense in `keras_comm.parallel.FullyShard` (ZeRO-3), built
+    directly: no replica ever allocates the whole model."""
+    import keras
+
+    from keras_comm import parallel as P
+
+    features, hidden, outputs = MODELS[model]
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        m = keras.Sequential(
+            [keras.Input((features,))]
+            + [P.FullyShard(keras.layers.Dense(h, activation="relu")) for h in hidden]
+            + [P.FullyShard(keras.layers.Dense(outputs))]
+        )
+        m.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return m, []
+
+
+def bytes_per_step(config, spec, n):
+    """Bytes each replica sends per step (ring algorithms, float32; see
+    docs/fully_sharded.md): an all-reduce moves 2 (N-1)/N S for the gradient
+    S; ZeRO-1/2 a reduce-scatter and an all-gather (the same); ZeRO-3 an
+    all-gather of the weights forward, again backward, and a reduce-scatter
+    of the gradient: 3 (N-1)/N S, with S padded to a multiple of N per weight."""
+    features, hidden, outputs = spec
+    widths = [features, *hidden, outputs]
+    sizes = [s for a, b in zip(widths, widths[1:]) for s in (a * b, b)]
+    if config == "zero3":
+        padded = sum(-(-s // n) * n for s in sizes) * 4
+        return 3 * (n - 1) / n * padded
+    return 2 * (n - 1) / n * sum(sizes) * 4
+
+
 # name -> (strategy, model name) -> (compiled model, callbacks for fit).
 # zero2 with accumulation_steps=1 holds exactly what zero1 holds (there is no
 # accumulation buffer to shard); the *_acc2 pair shows what stage 2 adds.
@@ -84,6 +122,7 @@ CONFIGS = {
     "zero2": _parallel_optimizer(zero_stage=2),
     "zero1_acc2": _parallel_optimizer(zero_stage=1, accumulation_steps=2),
     "zero2_acc2": _parallel_optimizer(zero_stage=2, accumulation_steps=2),
+    "zero3": _zero3,
 }
 
 
@@ -138,7 +177,9 @@ def measure(config, model, steps, per_replica_batch):
         "workers": n,
         "config": config,
         "model": model,
-        "params": int(sum(int(np.prod(v.shape)) for v in m.trainable_variables)),
+        # The model's, not this replica's (ZeRO-3 holds 1/n of it).
+        "params": params_of(MODELS[model]),
+        "bytes_per_step": bytes_per_step(config, MODELS[model], n),
         "steps": steps,
         "global_batch": global_batch,
         "peak_rss_before_build": before_build,
@@ -151,6 +192,11 @@ def measure(config, model, steps, per_replica_batch):
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):
             result["state_bytes"] = cb.state_bytes(breakdown=True)
+    if config == "zero3":
+        from keras_comm import parallel as P
+
+        # Weights + Adam's slots this replica holds (no callback: the optimizer's own).
+        result["state_bytes"] = {"weights+optimizer": max(P.replica_state_bytes(m).values())}
     return result
 
 
@@ -193,6 +239,8 @@ def summarize(ranks):
     row["peak_rss_mib_per_rank"] = [r["peak_rss"] / MIB for r in ranks]
     row["after_build_mib"] = max(r["peak_rss_after_build"] for r in ranks) / MIB
     row["fit_seconds"] = max(r["fit_seconds"] for r in ranks)
+    if "bytes_per_step" in first:
+        row["bytes_per_step"] = first["bytes_per_step"]
     if all(r.get("rss_anon_after_fit") for r in ranks):
         row["anon_after_fit_mib"] = max(r["rss_anon_after_fit"] for r in ranks) / MIB
     if "state_bytes" in first:
@@ -207,6 +255,7 @@ LABELS = {
     "zero2": "ZeRO-2",
     "zero1_acc2": "ZeRO-1, accum. 2",
     "zero2_acc2": "ZeRO-2, accum. 2",
+    "zero3": "ZeRO-3 (FullyShard)",
 }
 
 
@@ -244,10 +293,11 @@ def markdown_section(memory):
                 f"{r['peak_rss_mib'] - plain:+.0f}" if plain is not None else "–",
                 f"{r['after_build_mib']:.0f}",
                 f"{sum(state.values()) / MIB:.0f}" if state else "–",
+                f"{r['bytes_per_step'] / MIB:.0f}" if "bytes_per_step" in r else "–",
             ]) + " |")
         out.append("| configuration | peak RSS MiB | per rank | vs plain fit | after build MiB "
-                   "| state MiB / replica |")
-        out.append("|---|---|---|---|---|---|")
+                   "| state MiB / replica | sent MiB / step / replica |")
+        out.append("|---|---|---|---|---|---|---|")
         out += table
         out.append("")
     for error in memory.get("errors", []):

@@ -42,13 +42,18 @@ accumulation_steps=k)`) composes in two ways, chosen by `accumulation`:
 Saving: a `FullyShard` writes its inner layer's structure (its variables at
 its own path, its sublayers' below it), every weight full-size, gathered from
 the shards; so `.keras` / `save_weights` / `BackupAndRestore` files are what
-the unwrapped model holds and loads, and any cluster size loads them.
+the unwrapped model holds and loads, and any cluster size loads them. Keras
+names a file's entries after the layers' classes ("fully_shard", "dense_1");
+a wrapper given `checkpoint_name` (`fully_shard` sets it to the entry name
+the unwrapped model uses) writes and reads its entry under that name, so the
+file is the unwrapped model's: each loads the other's files directly.
 Optimizer slots are written full-size in the unwrapped weight's shape
 (`keras_comm.parallel._checkpoint`).
 """
 
 import enum
 import inspect
+import re
 import types
 import zlib
 
@@ -162,6 +167,13 @@ class FullyShard(_common.ParallelLayer):
             full weights are computed alike on every worker from a seed
             derived from each weight's path).
         timeout: seconds; None for `keras_comm.get_timeout()`.
+        checkpoint_name: None (the file entry is Keras's name for this
+            wrapper, "fully_shard", "fully_shard_1", ...) or the entry
+            name the unwrapped model's file uses for the inner layer
+            ("dense_1"): then this layer writes and reads that entry, and
+            the unwrapped model and this one load each other's files.
+            `fully_shard` sets it. A file without that entry is read from
+            the wrapper's own entry (files written without it).
 
     Input shape / Output shape: those of `layer`.
 
@@ -196,6 +208,7 @@ class FullyShard(_common.ParallelLayer):
         accumulation_steps=1,
         seed=None,
         timeout=None,
+        checkpoint_name=None,
         **kwargs,
     ):
         if isinstance(layer, dict):
@@ -221,6 +234,15 @@ class FullyShard(_common.ParallelLayer):
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
         self.accumulation = Accumulation.from_value(accumulation)
         self.accumulation_steps = _validation.accumulation_steps(accumulation_steps)
+        if checkpoint_name is not None and (
+            not isinstance(checkpoint_name, str) or not checkpoint_name or "/" in checkpoint_name
+        ):
+            raise ValueError(
+                "FullyShard: `checkpoint_name` must be None or a file entry "
+                "name (a non-empty string without '/', e.g. 'dense_1'). "
+                f"Received: checkpoint_name={checkpoint_name!r}"
+            )
+        self.checkpoint_name = checkpoint_name
         initial = None
         if layer.built:
             initial = [np.asarray(keras.ops.convert_to_numpy(w)) for w in layer.weights]
@@ -443,6 +465,7 @@ class FullyShard(_common.ParallelLayer):
         out = [None] * len(self._shards)
         local = self.accumulation is Accumulation.LOCAL and self.accumulation_steps > 1
         if local:
+            self._check_local_window()
             count = self._hidden.count
             update = tf.equal((count.read_value() + 1) % self.accumulation_steps, 0)
         for dtype, index in self._buckets().items():
@@ -464,7 +487,75 @@ class FullyShard(_common.ParallelLayer):
                 out[i] = piece
         if local:
             self._hidden.count.assign_add(1)
+        if tf.as_dtype(self.compute_dtype) == tf.float16:
+            out = self._poison_if_any_non_finite(grads, out, group)
         return out
+
+    def _poison_if_any_non_finite(self, grads, out, group):
+        """float16 compute (loss scaling): every replica's shard gradients
+        become NaN when any replica's local gradient of this layer overflowed.
+
+        A LossScaleOptimizer skips a step when its gradients are not finite,
+        judging the gradients it holds; here each replica holds a different
+        shard, and an overflow lands in one replica's shard only, so the
+        replicas would disagree: some skip (and halve their loss scale), the
+        others apply the infinity (Keras's multi-replica apply takes the first
+        replica's verdict). One scalar all-reduce per layer makes the verdict
+        the shard group's; the mesh's other axes see the NaN through the
+        shard's sum over them. Exact otherwise (x + 0 == x).
+        """
+        bad = tf.add_n(
+            [tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(g)), tf.float32)) for g in grads]
+        )
+        if group.size > 1 and not _common.shape_only():
+            bad = ops.all_reduce(bad, group=group, timeout=self.timeout, name=f"{self.name}_grad_finite")
+        poison = tf.where(bad > 0, tf.constant(float("nan")), tf.constant(0.0))
+        return [o + tf.cast(poison, o.dtype) for o in out]
+
+    def _check_local_window(self):
+        """At trace time of a backward with "local" accumulation: the layer's
+        every-k-th reduce-scatter must fall on ParallelOptimizer's updates.
+
+        The layer counts its own backward passes; the callback applies an
+        epoch's last, partial window early (and, when the epoch's length is
+        unknown, flushes it without a backward). Either would silently give
+        the optimizer the wrong gradients, so both are refused here, as is a
+        missing or differently sized callback.
+        """
+        from keras_comm.callbacks import parallel_optimizer  # imports keras_comm.parallel
+
+        k = self.accumulation_steps
+        callbacks = [
+            cb for model, cb in list(parallel_optimizer._ACTIVE.items())
+            if any(layer is self for layer in _fully_sharded_layers(model))
+        ]
+        prefix = (
+            f"FullyShard {self.name!r}: accumulation='local' with "
+            f"accumulation_steps={k} reduce-scatters once every {k} backward passes, so"
+        )
+        if not callbacks:
+            raise ValueError(
+                f"{prefix} it trains only under model.fit with "
+                f"keras_comm.callbacks.ParallelOptimizer(accumulation_steps={k}) "
+                "(without it the optimizer would apply zero gradients k-1 "
+                "times in k). Received: no ParallelOptimizer serving this fit"
+            )
+        callback = callbacks[0]
+        if callback.accumulation_steps != k:
+            raise ValueError(
+                f"{prefix} `accumulation_steps` must equal ParallelOptimizer's. "
+                f"Received: accumulation_steps={k}, "
+                f"ParallelOptimizer(accumulation_steps={callback.accumulation_steps})"
+            )
+        steps = callback.params.get("steps") if callback.params else None
+        if steps is None or int(steps) % k:
+            raise ValueError(
+                f"{prefix} each epoch's number of batches must be a known "
+                f"multiple of {k} (ParallelOptimizer applies an epoch's last, "
+                "partial window early, out of step with the layer; use "
+                "steps_per_epoch, drop the remainder, or accumulation="
+                f"'sharded'). Received: batches per epoch={steps}"
+            )
 
     def _run(self, full, non_trainable, flat_inputs, structure, kwargs):
         """The inner layer on `full` weights; returns its flat outputs, its
@@ -512,6 +603,11 @@ class FullyShard(_common.ParallelLayer):
 
         def forward(xs):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
+            # Gather only once the layer's input exists: TensorFlow runs an op
+            # as soon as its inputs are ready, so every layer's gather (which
+            # depends on nothing but its shards) would otherwise run at the
+            # step's start and hold the whole model's weights at once.
+            s = _after(s, list(d) + [x for j, x in enumerate(inputs) if j not in diff_at])
             flat_y, new_nt, losses, y = self._run(self._gather(s), nt, rebuild(d), structure, extra)
             meta.update(y=y, ny=len(flat_y), nl=len(losses))
             return flat_y + new_nt + losses
@@ -519,7 +615,8 @@ class FullyShard(_common.ParallelLayer):
         def backward(dys, xs, ys):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
             ny = meta["ny"]
-            full = self._gather(s)  # again: the forward kept nothing
+            # Again (the forward kept nothing), once the upstream gradient exists.
+            full = self._gather(_after(s, [u for u in dys if u is not None]))
             # Distinct tensors: an input passed twice (attention(h, h)) must
             # get each position's own gradient, not the total twice.
             d = [tf.identity(x) for x in d]
@@ -581,10 +678,20 @@ class FullyShard(_common.ParallelLayer):
 
     # --- Checkpoints: the inner layer's structure, full-size -------------------
 
+    def _entry_path(self, path):
+        """The unwrapped model's entry for this layer: `path`'s last part
+        replaced by `checkpoint_name`."""
+        parent = path.rpartition("/")[0]
+        return f"{parent}/{self.checkpoint_name}" if parent else self.checkpoint_name
+
     def save_own_variables(self, store):
         inner = self._hidden.layer
         values = self.full_weights()
         path = keras_api.weights_store_path(store)
+        if self.checkpoint_name is not None:
+            path = self._entry_path(path)
+            # Repositions the store, as Keras's own walk does per layer.
+            store.make(path, metadata={"name": inner.name})
         with keras.StatelessScope(
             state_mapping=list(zip(inner.weights, values)), initialize_variables=False
         ):
@@ -594,6 +701,9 @@ class FullyShard(_common.ParallelLayer):
     def load_own_variables(self, store):
         inner = self._hidden.layer
         path = keras_api.weights_store_path(store)
+        if self.checkpoint_name is not None and _store_has(store, self._entry_path(path)):
+            path = self._entry_path(path)
+            store.get(path)
         with keras.StatelessScope(initialize_variables=False) as scope:
             inner.load_own_variables(store)
             keras_api.load_children(inner, store, path)
@@ -618,8 +728,52 @@ class FullyShard(_common.ParallelLayer):
             layer=keras.saving.serialize_keras_object(self._hidden.layer),
             accumulation=self.accumulation.value,
             accumulation_steps=self.accumulation_steps,
+            checkpoint_name=self.checkpoint_name,
         )
         return config
+
+
+def _store_has(store, path):
+    has_path = getattr(store, "has_path", None)  # Keras >= 3.12
+    if has_path is not None:
+        return has_path(path)
+    return path in store.h5_file
+
+
+def _snake_case(name):
+    # keras.src.utils.naming.to_snake_case, which names a file's entries.
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    name = re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+    return name
+
+
+def _set_checkpoint_names(model):
+    """Gives every FullyShard of `model` (a fully_shard copy) the entry name
+    Keras's saving gives its inner layer in the unwrapped model: the snake
+    case of the class, made unique per container in the order of `layers`."""
+    used = {}
+    for layer in getattr(model, "layers", []):
+        unwrapped = layer.inner_layer() if isinstance(layer, FullyShard) else layer
+        base = _snake_case(type(unwrapped).__name__)
+        if base in used:
+            used[base] += 1
+            name = f"{base}_{used[base]}"
+        else:
+            used[base] = 0
+            name = base
+        if isinstance(layer, FullyShard):
+            layer.checkpoint_name = name
+        elif isinstance(layer, keras.Model):
+            _set_checkpoint_names(layer)
+
+
+def _after(tensors, dependencies):
+    """`tensors`, computed only after every tensor in `dependencies`."""
+    if not dependencies or tf.executing_eagerly():
+        return list(tensors)
+    with tf.control_dependencies(dependencies):
+        return [tf.identity(t) for t in tensors]
 
 
 def _reduce_over_other_axes(spec, grad, name):
@@ -756,7 +910,7 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
         return layer.__class__.from_config(layer.get_config())
 
     try:
-        return keras.models.clone_model(model, clone_function=clone, recursive=True)
+        copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
     except ValueError as e:
         if "subclass" in str(e).lower():
             raise ValueError(
@@ -764,6 +918,8 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
                 f"layers of a subclassed model with FullyShard. Received: model={type(model).__name__}"
             ) from e
         raise
+    _set_checkpoint_names(copy)
+    return copy
 
 
 def replica_state_bytes(model):

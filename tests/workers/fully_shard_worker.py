@@ -243,16 +243,28 @@ def save_case(model, ref, x, y, save_dir):
 
 
 def main():
+    """``fully_shard_worker.py STATE_DIR PHASE``: PHASE ``fits`` trains the
+    three models and runs the checkpoint worker's backup phase;
+    ``resume`` (another worker count) its resume phase only."""
+    import sys
+
     from _cluster import write_result
 
+    import fully_shard_checkpoint_worker as checkpoints
+
+    state_dir, phase = sys.argv[1], sys.argv[2]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
-    result = {"n": n}
+    result = {"n": n, "rank": int(strategy.cluster_resolver.task_id)}
     start = time.time()
-    result["fits"] = {
-        name: fit_case(strategy, name, optimizer=opt)
-        for name, opt in (("mlp", "adam"), ("cnn", "sgd"), ("attention", "adamw"))
-    }
+    if phase == "fits":
+        result["fits"] = {
+            name: fit_case(strategy, name, optimizer=opt)
+            for name, opt in (("mlp", "adam"), ("cnn", "sgd"), ("attention", "adamw"))
+        }
+        result["backup"] = checkpoints.backup_phase(strategy, state_dir)
+    else:
+        result["resume"] = checkpoints.resume_phase(strategy, state_dir)
     result["seconds"] = time.time() - start
     write_result(result)
 
