@@ -364,3 +364,21 @@ def test_a_mesh_that_does_not_fit_the_world_is_refused():
     with make_strategy(2).scope():
         with pytest.raises(ValueError, match="world size"):
             P.FullyShard(keras.layers.Dense(2), mesh=P.Mesh((3,), ("data",)))(keras.Input((2,)))
+
+
+@pytest.mark.inprocess
+def test_a_model_built_on_its_first_batch_is_refused_with_the_remedy():
+    # Without keras.Input the layer would build inside the traced step (fit's
+    # symbolic build, predict's first call), where its full initial value is
+    # symbolic: a clear error naming the remedy, then the remedy works.
+    x = np.ones((8, 3), "float32")
+    with make_strategy(2).scope():
+        model = keras.Sequential([P.FullyShard(keras.layers.Dense(4)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="must be built before.*keras.Input.*Received: input_shape"):
+        model.predict(x, verbose=0)
+    with make_strategy(2).scope():
+        model = keras.Sequential([P.FullyShard(keras.layers.Dense(4)), keras.layers.Dense(1)])
+        model.build((None, 3))
+        model.compile("sgd", "mse")
+    assert model.predict(x, verbose=0).shape == (8, 1)

@@ -282,6 +282,19 @@ class FullyShard(_common.ParallelLayer):
 
     def build(self, input_shape):
         inner = self._hidden.layer
+        if tf.inside_function():
+            # A model without a keras.Input builds on its first batch, inside
+            # Keras's traced step or its symbolic build: there the full
+            # initial values are symbolic and the shards cannot be created.
+            raise ValueError(
+                f"FullyShard: layer {self.name!r} must be built before the "
+                "model is first traced (fit, evaluate or predict on an unbuilt "
+                "model builds it inside a traced function, where its full "
+                "initial weights cannot be computed and sharded). Start the "
+                "model with keras.Input(shape), or call model.build(input_shape) "
+                "or the model on a batch under the strategy's scope first. "
+                f"Received: input_shape={input_shape}"
+            )
         if self._hidden.pending is not None:
             args, kwargs = self._hidden.pending
         else:
