@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _shared import InterruptAt
 from conftest import make_strategy
-
 
 from keras_comm import compat
 from keras_comm import parallel as P
@@ -95,19 +95,6 @@ def test_sharded_slots_saved_and_resharded_for_another_world(tmp_path):
     assert _max_rel(plain.optimizer.variables, reference.optimizer.variables) <= RTOL
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self, at_step):
-        super().__init__()
-        self.at_step, self.epoch = at_step, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * 6 + batch == self.at_step:
-            raise RuntimeError("interrupted")
-
-
 @pytest.mark.parametrize("parallel", [False, True], ids=["plain", "zero1"])
 def test_backup_resumes_at_the_step(tmp_path, parallel):
     # 6 steps per epoch, 2 epochs, a backup every 4 steps (with accumulation
@@ -123,7 +110,7 @@ def test_backup_resumes_at_the_step(tmp_path, parallel):
     model = _model(strategy)
     with pytest.raises(RuntimeError, match="interrupted"):
         model.fit(_ds(x, y), epochs=2, verbose=0,
-                  callbacks=[_Interrupt(9), *extra(), BackupAndRestore(backup_dir, save_freq=4)])
+                  callbacks=[InterruptAt(9, 6), *extra(), BackupAndRestore(backup_dir, save_freq=4)])
     model = _model(strategy)
     backup = BackupAndRestore(backup_dir, save_freq=4)
     trained = []
@@ -143,7 +130,7 @@ def _interrupted_backup(backup_dir, double_checkpoint=True):
     with pytest.raises(RuntimeError):
         _model(make_strategy(2)).fit(
             _ds(x, y), epochs=2, verbose=0,
-            callbacks=[_Interrupt(9), BackupAndRestore(str(backup_dir), save_freq=4,
+            callbacks=[InterruptAt(9, 6), BackupAndRestore(str(backup_dir), save_freq=4,
                                                        double_checkpoint=double_checkpoint)])
 
 

@@ -31,6 +31,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import InterruptAt  # noqa: E402
 
 N = strategy.num_replicas_in_sync
 RANK = int(strategy.cluster_resolver.task_id)
@@ -56,19 +57,6 @@ def dataset():
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return ds.with_options(options)
-
-
-class Interrupt(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * STEPS + batch == INTERRUPT_STEP:
-            raise RuntimeError("interrupted")
 
 
 def barrier():
@@ -136,7 +124,7 @@ def main(state_dir):
     pristine = state / "pristine"
     try:
         build().fit(dataset(), epochs=EPOCHS, verbose=0,
-                    callbacks=[Interrupt(), backup(pristine, delete_checkpoint=False)])
+                    callbacks=[InterruptAt(INTERRUPT_STEP, STEPS), backup(pristine, delete_checkpoint=False)])
     except RuntimeError as e:
         if "interrupted" not in str(e):
             raise

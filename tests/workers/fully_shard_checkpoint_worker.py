@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 import keras_comm
+from _shared import InterruptAt, rel  # noqa: E402
 from keras_comm import parallel as P
 
 GLOBAL_BATCH, STEPS, EPOCHS = 6, 6, 2
@@ -67,19 +68,6 @@ def build(strategy):
     return model
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * STEPS + batch == INTERRUPT_STEP:
-            raise RuntimeError("interrupted")
-
-
 def _fit(model, callbacks):
     x, y = data()
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
@@ -89,7 +77,7 @@ def _fit(model, callbacks):
 def _interrupted(strategy, backup_dir):
     model = build(strategy)
     try:
-        _fit(model, [_Interrupt(), keras_comm.callbacks.BackupAndRestore(str(backup_dir), save_freq=SAVE_FREQ)])
+        _fit(model, [InterruptAt(INTERRUPT_STEP, STEPS), keras_comm.callbacks.BackupAndRestore(str(backup_dir), save_freq=SAVE_FREQ)])
     except RuntimeError as e:
         if "interrupted" not in str(e):
             raise
@@ -102,14 +90,6 @@ def _resumed(strategy, backup_dir):
     backup = keras_comm.callbacks.BackupAndRestore(str(backup_dir), save_freq=SAVE_FREQ)
     _fit(model, [backup])
     return model, backup.restored
-
-
-def rel(expected, actual):
-    worst = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-30)))
-    return worst
 
 
 def _chief(strategy):

@@ -41,6 +41,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import InterruptAt  # noqa: E402
 from keras_comm import parallel as P  # noqa: E402
 
 N = strategy.num_replicas_in_sync
@@ -116,19 +117,6 @@ def saves(directory):
         "outside": len(outside),
         "left_behind": [p for p in outside if os.path.exists(p)],
     }
-
-
-class Interrupt(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * STEPS + batch == INTERRUPT_STEP:
-            raise RuntimeError("interrupted")
 
 
 class Spy(keras.callbacks.Callback):
@@ -247,7 +235,7 @@ def case_sharded(d):
 def case_backup(d):
     backup_dir = str(d / "backup")
     try:
-        fit(build(), [Interrupt(), keras.callbacks.BackupAndRestore(backup_dir, save_freq=4)])
+        fit(build(), [InterruptAt(INTERRUPT_STEP, STEPS), keras.callbacks.BackupAndRestore(backup_dir, save_freq=4)])
     except RuntimeError as e:
         if "interrupted" not in str(e):
             raise

@@ -34,6 +34,7 @@ import keras  # noqa: E402
 import tf_keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import InterruptAt  # noqa: E402
 
 N = strategy.num_replicas_in_sync
 RANK = int(strategy.cluster_resolver.task_id)
@@ -145,19 +146,6 @@ def case_norm(x, y):
     }
 
 
-class Interrupt(keras.callbacks.Callback):
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.epoch = at, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * STEPS + batch == self.at:
-            raise RuntimeError("interrupted")
-
-
 def case_resume(x, y):
     backup = str(Path(os.environ["KERAS_COMM_TEST_OUT"]) / "backup")
 
@@ -172,7 +160,7 @@ def case_resume(x, y):
         model.fit(dataset(x, y, N * LOCAL), epochs=2, verbose=0, callbacks=callbacks)
 
     try:
-        fit(fresh(), [keras_comm.callbacks.BackupAndRestore(backup, save_freq=3), Interrupt(6)])
+        fit(fresh(), [keras_comm.callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(6, STEPS)])
         raise AssertionError("not interrupted")
     except RuntimeError as e:
         assert "interrupted" in str(e), e

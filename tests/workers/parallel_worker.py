@@ -16,18 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 import keras_comm
+from _shared import rel  # noqa: E402
 from keras_comm import parallel as P
 
 RTOL = 1e-4
-
-
-def rel(expected, actual):
-    """Max over arrays of max|e - a| / max|e|."""
-    worst = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-30)))
-    return worst
 
 
 # --- Tensor parallel MLP with a parallel embedding -------------------------

@@ -29,6 +29,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import rel  # noqa: E402
 from keras_comm import parallel as P  # noqa: E402
 
 N = strategy.num_replicas_in_sync
@@ -111,14 +112,6 @@ def dataset(x, y, batch):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return ds.with_options(options)
-
-
-def rel(expected, actual):
-    worst = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-30)))
-    return worst
 
 
 class Interrupt(keras.callbacks.Callback):

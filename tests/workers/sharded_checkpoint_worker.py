@@ -30,6 +30,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import InterruptAt, rel  # noqa: E402
 from keras_comm import parallel as P  # noqa: E402
 
 N = strategy.num_replicas_in_sync
@@ -43,7 +44,6 @@ CONFIGS = {
     "emb_moe": ("epoch", None),
     "tp_po1": (4, dict(accumulation_steps=2, zero_stage=1)),
 }
-
 
 
 def optimizer_values(model):
@@ -101,27 +101,6 @@ def callbacks(config, backup_dir=None):
     return out
 
 
-class Interrupt(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.epoch * STEPS + batch == INTERRUPT_STEP:
-            raise RuntimeError("interrupted")
-
-
-def rel(expected, actual):
-    worst = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-30)))
-    return worst
-
-
 def state(model):
     """Full weights (gathered: every worker calls) and this worker's optimizer variables."""
     return P.full_weights(model), optimizer_values(model)
@@ -138,7 +117,7 @@ def interrupt(state_dir):
         model = build(config)
         try:
             model.fit(dataset(config), epochs=EPOCHS, verbose=0,
-                      callbacks=[Interrupt(), *callbacks(config, Path(state_dir) / config)])
+                      callbacks=[InterruptAt(INTERRUPT_STEP, STEPS), *callbacks(config, Path(state_dir) / config)])
         except RuntimeError as e:
             if "interrupted" not in str(e):
                 raise
