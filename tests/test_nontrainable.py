@@ -53,11 +53,17 @@ class RunningStats(keras.layers.Layer):
         self.seen = keras.Variable(
             0.0, trainable=False, aggregation="sum", synchronization="on_read", name="seen"
         )
+        # The same kind of count, different on each replica (its shard's
+        # samples with a positive last feature).
+        self.positive = keras.Variable(
+            0.0, trainable=False, aggregation="sum", synchronization="on_read", name="positive"
+        )
 
     def call(self, x, training=False):
         if training:
             self.average.assign(0.8 * self.average + 0.2 * keras.ops.mean(x, axis=0))
             self.seen.assign_add(keras.ops.cast(keras.ops.shape(x)[0], "float32"))
+            self.positive.assign_add(keras.ops.sum(keras.ops.cast(x[:, -1] > 0, "float32")))
         return x
 
 
@@ -252,6 +258,12 @@ def test_user_running_average_is_the_mean_of_each_update():
         expected = 0.8 * expected + 0.2 * x[8 * step : 8 * step + 8].astype(np.float64).mean(0)
     for c in _components(stats.average):
         np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-7)
+    # A count that differs per replica stays per replica (replica r saw rows
+    # 4r..4r+3 of every batch of 8) and reads as the global count.
+    shard = [float(sum((x[8 * s + 4 * r : 8 * s + 4 * r + 4, -1] > 0).sum() for s in range(3))) for r in range(2)]
+    assert shard[0] != shard[1]
+    assert [float(c) for c in _components(stats.positive)] == shard
+    assert float(keras.ops.convert_to_numpy(stats.positive)) == sum(shard)
 
 
 def _check_evaluate_and_predict(model, x, y, batch):
