@@ -412,3 +412,36 @@ def test_optimizer_ema_agrees_with_one_process():
         overwriting = build(overwrite=2)
     with pytest.raises(RuntimeError, match="merge_call"):
         overwriting.fit(_dataset(x, y, 8), epochs=1, verbose=0)
+
+
+def test_normalization_adapted_per_replica_is_pooled_once():
+    # Each replica "adapted" on its own shard (its components set directly, as
+    # separate workers' adapt would); agree_adapted pools them into the
+    # statistics of the union (float64 closed form), the layer normalizes with
+    # them, and the per-step sync leaves them alone (fit never writes them).
+    strategy = make_strategy(2)
+    rng = np.random.default_rng(6)
+    data = rng.normal(size=(16, 3)) * [1.0, 2.0, 0.5] + [0.0, 3.0, -1.0]
+    shards = [data[r::2] for r in range(2)]
+    with strategy.scope():
+        norm = keras.layers.Normalization()
+        model = keras.Sequential([keras.Input((3,)), norm, keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert not nontrainable.variables_to_agree(model)
+    for var, stat in ((norm.adapt_mean, np.mean), (norm.adapt_variance, np.var)):
+        for comp, shard in zip(keras_comm._private.keras_api.tf_variable(var).values, shards):
+            comp.assign(stat(shard, axis=0).astype("float32"))
+    assert nontrainable.agree_adapted(model) == [norm]
+    for var, expected in ((norm.adapt_mean, data.mean(0)), (norm.adapt_variance, data.var(0))):
+        for c in _components(var):
+            np.testing.assert_allclose(c, expected, rtol=1e-6, atol=1e-7)
+    x = data.astype("float32")
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(norm(x)), (data - data.mean(0)) / np.sqrt(data.var(0)), rtol=1e-5, atol=1e-6
+    )
+    model.fit(_dataset(x, x[:, :1], 8), epochs=1, verbose=0)
+    assert _max_spread(model) == 0.0
+    for var, expected in ((norm.adapt_mean, data.mean(0)), (norm.adapt_variance, data.var(0))):
+        np.testing.assert_allclose(_components(var)[0], expected, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="outside the replicas"):
+        strategy.run(nontrainable.agree_adapted, args=(model,))

@@ -12,8 +12,10 @@ Each worker is one replica. In one launch:
 2. "sync": BatchNormalization(synchronized=True) (no bias before it) against
    the same model trained in this process alone on the global batches.
 3. "norm": a `keras.layers.Normalization` adapted on each worker's own
-   shard, then trained: its statistics afterwards (identical: the mean of
-   the workers' statistics).
+   shard (predict then differs by worker), pooled with
+   `nontrainable.agree_adapted`, then trained: its statistics, what it
+   computes and predict afterwards (identical on every worker: the union's
+   statistics).
 4. "resume": the BN model with `keras_comm.callbacks.BackupAndRestore`,
    interrupted mid-epoch and resumed (in this process, a fresh model), against
    the same fit uninterrupted: each worker's weights, moving statistics
@@ -130,6 +132,8 @@ def case_sync(x, y):
 
 
 def case_norm(x, y):
+    from keras_comm.training import nontrainable
+
     flat = x.reshape(len(x), -1)[:, :3]
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -139,10 +143,19 @@ def case_norm(x, y):
     shard = flat[RANK::N]
     norm.adapt(shard)
     adapted = [norm.mean.numpy().tolist(), norm.variance.numpy().tolist()]
+    # Left alone, each worker keeps (and normalizes with) its own statistics:
+    # the per-step sync does not touch them.
+    kept = model.predict(flat, batch_size=N * LOCAL, verbose=0)
+    pooled = nontrainable.agree_adapted(model) == [norm]
     model.fit(dataset(flat, y, N * LOCAL), epochs=1, verbose=0)
     return {
         "adapted": adapted,
+        "pooled": pooled,
+        "kept_pred": kept.tolist(),
         "after": [v.value.numpy().tolist() for v in model.non_trainable_weights],
+        "normalized": norm(flat).numpy().tolist(),
+        "pred": model.predict(flat, batch_size=N * LOCAL, verbose=0).tolist(),
+        "union": [flat.astype(np.float64).mean(0).tolist(), flat.astype(np.float64).var(0).tolist()],
     }
 
 
