@@ -23,7 +23,7 @@ def _spread(per_worker):
 # splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
 @pytest.mark.parametrize("num_workers", [3])
 def test_non_trainable_state_agrees_across_workers(num_workers):
-    result = run_cluster("workers/nontrainable_worker.py", num_workers, timeout=240).check()
+    result = run_cluster("workers/nontrainable_worker.py", num_workers, timeout=360).check()
     rs = result.results
     print({r["rank"]: (max(r["bn"]["diff_to_tf_keras"].values()), r["sync"]["max_abs"]) for r in rs})
     assert [r["rank"] for r in rs] == list(range(num_workers))
@@ -55,7 +55,7 @@ def test_non_trainable_state_agrees_across_workers(num_workers):
             assert diff < 1e-6, (r["rank"], path, diff)
 
     # Normalization adapted per worker: different adapted statistics (and
-    # predictions, the sync leaves them alone); after agree_adapted and fit,
+    # normalized values: the sync leaves them alone); after agree_adapted and fit,
     # identical on every worker, the statistics of the union of the shards,
     # and the layer normalizes with them.
     norm = [r["norm"] for r in rs]

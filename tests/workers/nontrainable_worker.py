@@ -12,7 +12,7 @@ Each worker is one replica. In one launch:
 2. "sync": BatchNormalization(synchronized=True) (no bias before it) against
    the same model trained in this process alone on the global batches.
 3. "norm": a `keras.layers.Normalization` adapted on each worker's own
-   shard (predict then differs by worker), pooled with
+   shard (the layer then normalizes differently by worker), pooled with
    `nontrainable.agree_adapted`, then trained: its statistics, what it
    computes and predict afterwards (identical on every worker: the union's
    statistics).
@@ -144,8 +144,9 @@ def case_norm(x, y):
     norm.adapt(shard)
     adapted = [norm.mean.numpy().tolist(), norm.variance.numpy().tolist()]
     # Left alone, each worker keeps (and normalizes with) its own statistics:
-    # the per-step sync does not touch them.
-    kept = model.predict(flat, batch_size=N * LOCAL, verbose=0)
+    # the per-step sync does not touch them. (The layer itself, not predict:
+    # a distributed predict concatenates every worker's share of the rows.)
+    kept = norm(flat).numpy()
     pooled = nontrainable.agree_adapted(model) == [norm]
     model.fit(dataset(flat, y, N * LOCAL), epochs=1, verbose=0)
     return {
