@@ -43,6 +43,8 @@ def test_non_trainable_state_agrees_across_workers(num_workers):
     # evaluate and predict identical on every worker.
     assert len({b["loss"] for b in bn}) == 1
     assert _spread([[b["pred"]] for b in bn]) == 0.0
+    for b in bn:  # and equal to one process with this worker's weights
+        assert b["pred_vs_alone"] < 1e-5, b["pred_vs_alone"]
 
     # synchronized=True: the model trained in one process on the global batches.
     for r in rs:

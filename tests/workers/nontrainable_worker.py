@@ -97,6 +97,12 @@ def case_bn(x, y):
     }
     loss = model.evaluate(dataset(x, y, N * LOCAL), verbose=0)
     pred = model.predict(x, batch_size=N * LOCAL, verbose=0)
+    # A distributed predict gives every worker the same rows (each worker's
+    # share, gathered) whatever their statistics; what shows they agree is
+    # that it equals this process alone predicting with this worker's weights.
+    alone = cnn(keras, dropout=False)
+    alone.set_weights(model.get_weights())
+    pred_vs_alone = float(np.abs(alone.predict(x, batch_size=N * LOCAL, verbose=0) - pred).max())
     # With Dropout (its seed state is integer state: left alone) and Adam, as
     # a user would: every weight identical across workers.
     keras.utils.set_random_seed(1)
@@ -111,6 +117,7 @@ def case_bn(x, y):
         "diff_to_tf_keras": diffs,
         "loss": float(loss),
         "pred": pred.tolist(),
+        "pred_vs_alone": pred_vs_alone,
     }
 
 
