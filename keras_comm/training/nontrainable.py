@@ -46,6 +46,12 @@ Which variables (`agreement_rule`): the model's non-trainable variables with
   per replica, summed on read (above).
 * Sharded weights of `keras_comm.parallel` (each replica holds a different
   shard) and variables marked with `keep_per_replica`.
+* `keras.layers.Normalization`'s adapted mean and variance: `fit` never
+  writes them, and the layer computes with constants it froze when `adapt`
+  finished, so averaging the variables would only make them disagree with
+  what the layer computes (and with what a checkpoint restores). A model
+  adapted on each worker's own shard makes its workers agree once, before
+  `fit`, with `agree_adapted` (the statistics of the union of the shards).
 
 `keras_comm.callbacks.ParallelOptimizer`'s state (masters, accumulators,
 optimizer-slot shards) is not model state: plain per-device variables,
@@ -64,6 +70,7 @@ from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 
 __all__ = [
+    "agree_adapted",
     "agreement_rule",
     "is_kept_per_replica",
     "keep_per_replica",
@@ -131,9 +138,35 @@ def agreement_rule(variable):
     return "mean"
 
 
+def _layers(model):
+    """`model` and every layer reachable through `.layers` (nested models)."""
+    stack, out = [model], []
+    while stack:
+        layer = stack.pop()
+        if any(layer is o for o in out):
+            continue
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", None) or [])
+    return out
+
+
+def _adapted(model):
+    """The model's `keras.layers.Normalization` layers that hold adapt variables."""
+    return [
+        layer
+        for layer in _layers(model)
+        if isinstance(layer, keras.layers.Normalization) and getattr(layer, "adapt_mean", None) is not None
+    ]
+
+
 def variables_to_agree(model):
     """The model's variables that `sync` averages, in a fixed order."""
-    seen = set()
+    # Normalization's adapted statistics: not written by fit (module docstring).
+    seen = {
+        id(keras_api.tf_variable(v))
+        for layer in _adapted(model)
+        for v in (layer.adapt_mean, layer.adapt_variance)
+    }
     out = []
     for v in model.non_trainable_variables:
         key = id(keras_api.tf_variable(v))
@@ -216,6 +249,75 @@ def sync(model, after=()):
     values = unpack(mean, sizes, [v.shape for v in locals_], [v.dtype for v in locals_])
     for local, value in zip(locals_, values):
         local.assign(value)
+
+
+def agree_adapted(model):
+    """Outside the replicas, before `fit`: pools the adapted statistics of
+    every `keras.layers.Normalization` in `model` over the replicas.
+
+    For a model whose workers each called ``adapt`` on their own shard of the
+    data: every replica's mean and variance become those of the union of the
+    shards, as if each had adapted on all of it, and the layer recomputes the
+    constants it normalizes with (``finalize_state``). With equal shards this
+    is exact: ``mean = mean_r(m_r)`` and ``variance = mean_r(v_r + (m_r -
+    mean)^2)`` (within-shard plus between-shard variance); with unequal shards
+    each replica counts equally. Two all-reduces of all the layers' statistics,
+    packed; nothing for a model with no adapted Normalization layer or a
+    single replica.
+
+    Args:
+        model: a Keras model built under a multi-replica strategy's scope
+            (MultiWorkerMirroredStrategy or MirroredStrategy).
+
+    Returns:
+        The list of Normalization layers pooled.
+
+    Raises:
+        ValueError: called inside a replica (e.g. in a train step).
+    """
+    if tf.distribute.in_cross_replica_context() is False and tf.distribute.has_strategy():
+        raise ValueError(
+            "`agree_adapted` runs outside the replicas (before `fit`), not inside "
+            "a replica's step. Received: a call in replica context"
+        )
+    layers = _adapted(model)
+    variables = [v for layer in layers for v in (layer.adapt_mean, layer.adapt_variance)]
+    distributed = [
+        keras_api.tf_variable(v)
+        for v in variables
+        if isinstance(keras_api.tf_variable(v), tf.distribute.DistributedValues)
+    ]
+    if not distributed:
+        return []
+    strategy = distributed[0].distribute_strategy
+    if strategy.num_replicas_in_sync < 2 or not isinstance(strategy, _STRATEGIES):
+        return []
+    pairs = [
+        (keras_api.tf_variable(layer.adapt_mean), keras_api.tf_variable(layer.adapt_variance))
+        for layer in layers
+    ]
+
+    def pool():
+        context = tf.distribute.get_replica_context()
+        n = tf.constant(float(context.num_replicas_in_sync), tf.float64)
+        means = [tf_api.local_component(m) for m, _ in pairs]
+        variances = [tf_api.local_component(v) for _, v in pairs]
+        flat, sizes = pack([m.read_value() for m in means], tf.float64)
+        mean = context.all_reduce(tf.distribute.ReduceOp.SUM, flat) / n
+        spread = pack([v.read_value() for v in variances], tf.float64)[0] + tf.square(flat - mean)
+        variance = context.all_reduce(tf.distribute.ReduceOp.SUM, spread) / n
+        shapes = [m.shape for m in means]
+        dtypes = [m.dtype for m in means]
+        for local, value in zip(means, unpack(mean, sizes, shapes, dtypes)):
+            local.assign(value)
+        for local, value in zip(variances, unpack(variance, sizes, shapes, [v.dtype for v in variances])):
+            local.assign(value)
+
+    with strategy.scope():
+        tf.function(lambda: strategy.run(pool))()
+    for layer in layers:
+        layer.finalize_state()
+    return layers
 
 
 def _aggregation(variable):

@@ -12,8 +12,10 @@ Each worker is one replica. In one launch:
 2. "sync": BatchNormalization(synchronized=True) (no bias before it) against
    the same model trained in this process alone on the global batches.
 3. "norm": a `keras.layers.Normalization` adapted on each worker's own
-   shard, then trained: its statistics afterwards (identical: the mean of
-   the workers' statistics).
+   shard (the layer then normalizes differently by worker), pooled with
+   `nontrainable.agree_adapted`, then trained: its statistics, what it
+   computes and predict afterwards (identical on every worker: the union's
+   statistics).
 4. "resume": the BN model with `keras_comm.callbacks.BackupAndRestore`,
    interrupted mid-epoch and resumed (in this process, a fresh model), against
    the same fit uninterrupted: each worker's weights, moving statistics
@@ -95,6 +97,12 @@ def case_bn(x, y):
     }
     loss = model.evaluate(dataset(x, y, N * LOCAL), verbose=0)
     pred = model.predict(x, batch_size=N * LOCAL, verbose=0)
+    # A distributed predict gives every worker the same rows (each worker's
+    # share, gathered) whatever their statistics; what shows they agree is
+    # that it equals this process alone predicting with this worker's weights.
+    alone = cnn(keras, dropout=False)
+    alone.set_weights(model.get_weights())
+    pred_vs_alone = float(np.abs(alone.predict(x, batch_size=N * LOCAL, verbose=0) - pred).max())
     # With Dropout (its seed state is integer state: left alone) and Adam, as
     # a user would: every weight identical across workers.
     keras.utils.set_random_seed(1)
@@ -109,6 +117,7 @@ def case_bn(x, y):
         "diff_to_tf_keras": diffs,
         "loss": float(loss),
         "pred": pred.tolist(),
+        "pred_vs_alone": pred_vs_alone,
     }
 
 
@@ -130,6 +139,8 @@ def case_sync(x, y):
 
 
 def case_norm(x, y):
+    from keras_comm.training import nontrainable
+
     flat = x.reshape(len(x), -1)[:, :3]
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -139,10 +150,20 @@ def case_norm(x, y):
     shard = flat[RANK::N]
     norm.adapt(shard)
     adapted = [norm.mean.numpy().tolist(), norm.variance.numpy().tolist()]
+    # Left alone, each worker keeps (and normalizes with) its own statistics:
+    # the per-step sync does not touch them. (The layer itself, not predict:
+    # a distributed predict concatenates every worker's share of the rows.)
+    kept = norm(flat).numpy()
+    pooled = nontrainable.agree_adapted(model) == [norm]
     model.fit(dataset(flat, y, N * LOCAL), epochs=1, verbose=0)
     return {
         "adapted": adapted,
+        "pooled": pooled,
+        "kept_pred": kept.tolist(),
         "after": [v.value.numpy().tolist() for v in model.non_trainable_weights],
+        "normalized": norm(flat).numpy().tolist(),
+        "pred": model.predict(flat, batch_size=N * LOCAL, verbose=0).tolist(),
+        "union": [flat.astype(np.float64).mean(0).tolist(), flat.astype(np.float64).var(0).tolist()],
     }
 
 
