@@ -61,7 +61,7 @@ translates collective errors like `fit`'s and `evaluate`'s.
 Scope and limits:
 
 - Applied on `import keras_comm`; `apply()` is idempotent and `revert()` restores
-  stock Keras. Only Keras `>=3.10,<3.16` with the TensorFlow backend is patched:
+  stock Keras. Only Keras `>=3.10,<3.17` with the TensorFlow backend is patched:
   elsewhere `apply()` changes nothing and returns False, because the replaced
   code is private Keras code that may differ. Every private Keras name is
   reached through `keras_comm._private.keras_api`, and
@@ -104,7 +104,7 @@ __all__ = [
 
 #: Keras versions whose trainer code this module was written against
 #: (lower bound inclusive, upper bound exclusive), as (major, minor).
-SUPPORTED_KERAS = ((3, 10), (3, 16))
+SUPPORTED_KERAS = ((3, 10), (3, 17))
 
 # Kept importable under their old names.
 mark_gradient_reduced = reduction.mark_gradient_reduced

@@ -358,9 +358,9 @@ def test_upstream_fit_loop_still_what_backup_relies_on():
     # and batch-end callbacks; both rely on this shape of the fit loop.
     import inspect
 
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras_comm._private import keras_api
 
-    source = inspect.getsource(TensorFlowTrainer.fit)
+    source = inspect.getsource(keras_api.trainer_class().fit)
     for line in (
         "initial_epoch = self._initial_epoch or initial_epoch",
         "callbacks.on_train_batch_begin(begin_step)",

@@ -30,6 +30,26 @@ def _trainer_module():
     return trainer
 
 
+def trainer_class():
+    """The TensorFlow backend's trainer class.
+
+    Keras 3.16 renames `TensorFlowTrainer` to `Trainer` (and the base
+    `trainers.trainer.Trainer` to `BaseTrainer`); the methods keras_comm
+    replaces are unchanged by the rename.
+    """
+    module = _trainer_module()
+    cls = getattr(module, "TensorFlowTrainer", None)
+    return cls if cls is not None else module.Trainer
+
+
+def _base_trainer_class():
+    """The backend-independent trainer base class (`Trainer`; 3.16: `BaseTrainer`)."""
+    from keras.src.trainers import trainer as base_trainer
+
+    cls = getattr(base_trainer, "BaseTrainer", None)
+    return cls if cls is not None else base_trainer.Trainer
+
+
 def _optimizer_class():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
@@ -64,7 +84,7 @@ def install_trainer_methods(replacements):
         replacements: ``{name: function}`` for every name in `TRAINER_METHODS`.
     """
     module = _trainer_module()
-    cls = module.TensorFlowTrainer
+    cls = trainer_class()
     setattr(module, _ORIGINALS_ATTR, {n: cls.__dict__[n] for n in TRAINER_METHODS})
     for name in TRAINER_METHODS:
         setattr(cls, name, replacements[name])
@@ -76,7 +96,7 @@ def restore_trainer_methods():
     originals = getattr(module, _ORIGINALS_ATTR, None)
     if originals is None:
         return
-    cls = module.TensorFlowTrainer
+    cls = trainer_class()
     for name in TRAINER_METHODS:
         setattr(cls, name, originals[name])
     delattr(module, _ORIGINALS_ATTR)
@@ -88,12 +108,12 @@ def trainer_method(name):
     originals = getattr(module, _ORIGINALS_ATTR, None)
     if originals is not None:
         return originals[name]
-    return module.TensorFlowTrainer.__dict__[name]
+    return trainer_class().__dict__[name]
 
 
 def current_trainer_method(name):
     """What `TensorFlowTrainer.<name>` is right now (patched or not)."""
-    return _trainer_module().TensorFlowTrainer.__dict__[name]
+    return trainer_class().__dict__[name]
 
 
 def install_gradient_reduction(replacement):
@@ -486,23 +506,21 @@ def relied_on():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.losses import loss as loss_module
     from keras.src.optimizers import base_optimizer
-    from keras.src.trainers import trainer as base_trainer
-
     optimizer = _optimizer_class()
     saving_lib = _saving_lib()
-    trainer = base_trainer.Trainer
+    trainer = _base_trainer_class()
     out = {
         f"TensorFlowTrainer.{name}": trainer_method(name) for name in TRAINER_METHODS
     }
     out.update({
         "TFOptimizer._all_reduce_sum_gradients": upstream_gradient_reduction(),
         "TFOptimizer._backend_update_step": optimizer._backend_update_step,
-        "TensorFlowTrainer._autoconvert_optionals": tf_trainer.TensorFlowTrainer.__dict__.get(
+        "TensorFlowTrainer._autoconvert_optionals": trainer_class().__dict__.get(
             "_autoconvert_optionals"
         ),
         "TFEpochIterator._get_iterator": tf_trainer.TFEpochIterator._get_iterator,
         # keras_comm's predict step is called as upstream's: a list of batches.
-        "TensorFlowTrainer.predict": tf_trainer.TensorFlowTrainer.predict,
+        "TensorFlowTrainer.predict": trainer_class().predict,
         "Trainer._symbolic_build": trainer._symbolic_build,
         "Trainer._compute_loss": trainer._compute_loss,
         "Trainer.get_metrics_result": trainer.get_metrics_result,

@@ -14,7 +14,10 @@ from keras_comm import compat
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
+from keras_comm._private import keras_api  # noqa: E402
+
+# `TensorFlowTrainer` (Keras <= 3.15) or `Trainer` (3.16).
+TensorFlowTrainer = keras_api.trainer_class()
 
 
 def fit_error():
