@@ -1,4 +1,5 @@
-"""Pieces every example shares: flags, the digits data, the final report.
+"""Pieces every example shares: flags, the digits data, the comparison with
+one process, the final report and the workers' common exit.
 
 Not part of keras_comm: a helper for the scripts in this directory. Nothing
 here imports TensorFlow at module level, so `--help` answers instantly.
@@ -134,3 +135,48 @@ def report(args, metric, results, chief=True):
     if args.results:
         with open(args.results, "w") as f:
             json.dump(results, f)
+
+
+def compare_fit(args, chief, results, full_weights, reference, train, test):
+    """The chief trains `reference` on the same global batches, in this process alone.
+
+    The tail of every `fit` example: unless --no-reference, the chief fits
+    the unsplit `reference` (already holding the distributed model's
+    initial weights) for ``args.epochs`` on `train`, evaluates it on `test`
+    and adds ``single_process_accuracy`` and ``max_weight_rel_diff`` (against
+    `full_weights`, the distributed model's weights gathered by every
+    worker) to `results`. The other workers do nothing here; call
+    `finish` afterwards so that they wait for the chief.
+    """
+    if chief and not args.no_reference:
+        reference.fit(train, epochs=args.epochs, shuffle=False, verbose=0)
+        _, ref_accuracy = reference.evaluate(test, verbose=0)
+        results["single_process_accuracy"] = float(ref_accuracy)
+        results["max_weight_rel_diff"] = max_rel_diff(full_weights, reference.get_weights())
+    return results
+
+
+def finish(strategy):
+    """Every worker waits here for every other, then the example may exit (returns 0).
+
+    The chief runs the single-process reference after the distributed run;
+    a worker that exited meanwhile stops heartbeating to the chief's
+    TensorFlow coordination service, which then logs that tasks have
+    crashed and may abort the chief before it reports. One last collective
+    (a sum of ones) that every worker joins after the reference keeps them
+    all alive until the chief is done, so they leave together.
+    """
+    import tensorflow as tf
+
+    def one():
+        return tf.constant(1.0)
+
+    # In a tf.function: an eager strategy.run warns of its overhead.
+    ones = tf.function(lambda: strategy.run(one), autograph=False)()
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
+    if int(total) != strategy.num_replicas_in_sync:  # every replica joined once
+        raise RuntimeError(
+            f"The final barrier counted {int(total)} replicas. Received: "
+            f"num_replicas_in_sync={strategy.num_replicas_in_sync}"
+        )
+    return 0

@@ -153,7 +153,7 @@ def main(argv=None):
         results["single_process_accuracy"] = test_accuracy(single, x_test, y_test)
         results["max_weight_rel_diff"] = _common.max_rel_diff(model.get_weights(), single.get_weights())
     _common.report(args, "accuracy", results, chief)
-    return 0
+    return _common.finish(strategy)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def main(argv=None):
         results["single_process_accuracy"] = float(accuracy(y_test, reference(x_test, training=False)))
         results["max_weight_rel_diff"] = _common.max_rel_diff(model.get_weights(), reference.get_weights())
     _common.report(args, "accuracy", results, chief)
-    return 0
+    return _common.finish(strategy)
 
 
 if __name__ == "__main__":

@@ -118,13 +118,9 @@ def main(argv=None):
     results = {"replicas": n, "model_parallel": k, "accuracy": float(accuracy), "seconds": seconds}
     full = keras_comm.parallel.full_weights(model)  # every worker takes part
 
-    if chief and not args.no_reference:
-        reference.fit(train, epochs=args.epochs, shuffle=False, verbose=0)
-        _, ref_accuracy = reference.evaluate(test, verbose=0)
-        results["single_process_accuracy"] = float(ref_accuracy)
-        results["max_weight_rel_diff"] = _common.max_rel_diff(full, reference.get_weights())
+    _common.compare_fit(args, chief, results, full, reference, train, test)
     _common.report(args, "accuracy", results, chief)
-    return 0
+    return _common.finish(strategy)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Every example in examples/ run on real worker processes, against one process.
 
-Each example trains across 2 workers (keras_comm/launch.py, via
-`_cluster.run_cluster`), then its chief trains the same model on the same
-global batches in a single process and writes both metrics with
-``--results``. One epoch on the first 256 training digits
+Each example trains across 2 workers (pipeline.py: 3; keras_comm/launch.py,
+via `_cluster.run_cluster`), then its chief trains the same model on the
+same global batches in a single process and writes both metrics with
+``--results``; every worker must exit 0 (the launcher's exit code) and none
+may leave while the chief still runs (`_common.finish`). One epoch on the first 256 training digits
 (``--train-samples``: 4 steps of 64, 8 of 32 for halo_exchange_conv) keeps
 each launch short; the full test set is still evaluated.
 
@@ -29,7 +30,8 @@ from _cluster import REPO_DIR, run_cluster
 EXAMPLES = REPO_DIR / "examples"
 WEIGHT_RTOL = 1e-4
 
-# (script, extra flags): short runs of every example on 2 workers.
+# (script, extra flags[, workers]): short runs of every example, on 2 workers
+# unless a third item says otherwise.
 RUNS = {
     # Plain fit is README's first command (run by CI as is); here fit with
     # ParallelOptimizer, which covers more.
@@ -38,8 +40,11 @@ RUNS = {
     ),
     "tensor_parallel_mlp": ("tensor_parallel_mlp.py", []),
     "mixture_of_experts": ("mixture_of_experts.py", []),
-    # docs/examples.md's command (its block is not run by test_docs: this is it).
-    "pipeline": ("pipeline.py", ["--micro-batches", "2"]),
+    # docs/examples.md's 3-worker command (its block is not run by test_docs:
+    # this is it): stages of unequal size (1, 1 and 2 blocks), and three
+    # workers leaving while the chief runs the reference (the exit race
+    # `_common.finish` closes).
+    "pipeline": ("pipeline.py", ["--micro-batches", "4", "--batch-size", "48", "--show-memory"], 3),
     "halo_exchange_conv": ("halo_exchange_conv.py", []),
     "custom_training_loop": ("custom_training_loop.py", []),
     "fully_sharded": ("fully_sharded.py", []),
@@ -51,7 +56,7 @@ QUICK = ["--epochs", "1", "--train-samples", "256"]
 TEST_SAMPLES = 360
 
 
-@pytest.mark.parametrize("script", sorted({s for s, _ in RUNS.values()}))
+@pytest.mark.parametrize("script", sorted({run[0] for run in RUNS.values()}))
 def test_help(script):
     """--help answers without TensorFlow and lists the common flags."""
     out = subprocess.run(
@@ -65,14 +70,18 @@ def test_help(script):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(RUNS))
 def test_example_matches_single_process(name, tmp_path):
-    script, flags = RUNS[name]
+    script, flags, workers = (*RUNS[name], 2)[:3]
     results_path = Path(tmp_path) / "results.json"
-    run = run_cluster(EXAMPLES / script, 2, *QUICK, *flags, "--results", results_path, timeout=150)
+    run = run_cluster(EXAMPLES / script, workers, *QUICK, *flags, "--results", results_path, timeout=150)
+    # The launcher's exit code is 0 only if every worker exited 0.
     assert run.returncode == 0, f"{script} failed:\n{run.tail()}"
+    # No worker left while another still needed it: TensorFlow's
+    # coordination service logs this when a worker vanishes early.
+    assert "have crashed" not in run.output, f"{script}: a worker exited early:\n{run.tail()}"
     results = json.loads(results_path.read_text())
-    assert results["replicas"] == 2
+    assert results["replicas"] == workers
     # The chief printed the comparison line.
-    assert "test accuracy, 2 workers:" in run.output and "single process:" in run.output
+    assert f"test accuracy, {workers} workers:" in run.output and "single process:" in run.output
     assert results["max_weight_rel_diff"] < WEIGHT_RTOL, results
     assert abs(results["accuracy"] - results["single_process_accuracy"]) <= 1 / TEST_SAMPLES + 1e-9, results
     if "first_batch_grad_rel_diff" in results:

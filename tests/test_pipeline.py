@@ -203,6 +203,7 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     # update, ZeRO-1: the weights before the pipeline are ZeRO-sharded over
     # the world; the stage buffer (it carries its own gradient reduction)
     # is reduced over its data group and updated whole, its moments per stage.
+    # The schedule is 1F1B's interleaved table, under the callback too.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     strategy = make_strategy(4)
     adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
@@ -218,6 +219,14 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert po.counts["updates"] == 2
     assert max(_rel(a, b) for a, b in zip(full_weights(model), ref.get_weights())) <= 1e-5
+    # The callback's step ran the whole 1F1B table (training/pipeline.forward),
+    # not the layer's halves: rank 1 (stage 1) interleaves F0 B0 F1 B1.
+    layer = model.layers[1]
+    table = keras_comm.parallel.schedules.train_schedule("1f1b", 2, 2)[1]
+    assert table in layer._traced_instructions[1]
+    assert keras_comm.parallel.schedules.forward_only(table) not in layer._traced_instructions[1]
+    order = _compute_order(table)
+    assert order.index(("backward", 0)) < order.index(("forward", 1))
 
 
 def _bn_stages():

@@ -37,6 +37,14 @@ def test_pipeline_on_workers(workers, tmp_path):
         4: ["p4_m8_1f1b", "p4_m2_gpipe", "p2x2_m2_1f1b", "p2xtp2_m2_gpipe"],
     }[workers]
     _check(result.results, configs)
+    if workers == 2:
+        # BatchNormalization inside both stages, trained by 1F1B's step on
+        # real workers: weights and moving statistics as the unsplit model
+        # trained micro-batch by micro-batch, and predict with those statistics.
+        for r in result.results:
+            bn = r["bn"]
+            assert bn["excess"] <= 0 and bn["moving_rel"] <= 1e-5 and bn["predict_rel"] <= 1e-5, bn
+            assert bn["moved"] > 1e-3, bn  # the statistics moved
     stages = {r["rank"]: r["exact"][configs[0]]["stage"] for r in result.results}
     assert sorted(stages.values()) == list(range(len(stages)))
     # The chief's files load into the one-process model (all stages on one replica).

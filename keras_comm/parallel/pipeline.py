@@ -237,7 +237,8 @@ class Pipeline(_common.ParallelLayer):
     and backwards (at most p micro-batches in flight per stage) when the
     model is trained through the pipeline training step
     (`keras_comm.training.pipeline`), which `model.fit` uses for a model
-    whose last layer is a `Pipeline` (see docs/model_parallel.md).
+    whose last layer is a `Pipeline`, with or without `ParallelOptimizer`
+    (see docs/model_parallel.md).
 
     With one replica per group (a 1-D mesh of size 1, or no strategy) the
     replica holds every stage and the layer is the unsplit model

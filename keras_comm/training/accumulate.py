@@ -36,6 +36,7 @@ from keras_comm._private import keras_api
 from keras_comm.training import sharding
 from keras_comm.ops import _collective
 from keras_comm.training import nontrainable
+from keras_comm.training import pipeline
 from keras_comm.training import replicated
 from keras_comm.training import sharded_state
 from keras_comm.training import step
@@ -50,7 +51,8 @@ COLLECTIVE_NAME = "parallel_optimizer"
 def forward(model, data):
     """Per-replica gradients (float32, zeros for None) and metric logs: the
     default train step without the reduction and the update."""
-    result = replicated.forward(model, data)
+    # A model ending in a 1F1B Pipeline: its step's forward runs the interleaved table.
+    result = (pipeline.forward if pipeline.applies(model) else replicated.forward)(model, data)
     grads = [
         tf.zeros(v.shape, tf.float32)
         if g is None

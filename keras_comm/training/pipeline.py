@@ -16,7 +16,9 @@ one (`keras_comm.training.replicated.train_step` hands over to it):
 3. stage 0's input gradient goes back to each replica's rows
    (reduce-scatter) and through the tape of step 1;
 4. the optimizer applies the gradients: the stage buffer's reduced over the
-   stage's data group (its gradient hook), every other weight world-wide;
+   stage's data group (its gradient hook), every other weight world-wide
+   (`forward` is steps 1-3 and 5; `ParallelOptimizer`'s step calls it too
+   and accumulates or shards the gradients instead);
 5. the last stage's outputs, summed over the group, give every replica its
    own samples' predictions, for the loss metric and the metrics.
 
@@ -78,10 +80,33 @@ def _pre_model(model, layer):
 
 def train_step(model, data):
     """The replica step of a model whose output is a 1F1B `Pipeline`."""
+    from keras_comm.training import nontrainable
+
+    result = forward(model, data)
+    weights = model.trainable_weights
+    model.optimizer.apply_gradients(zip(result.grads, weights))
+    # Layers before the pipeline may keep moving statistics (BatchNormalization).
+    nontrainable.sync(model)
+    return result.metrics(model)
+
+
+def forward(model, data):
+    """This replica's gradients for one batch through the full 1F1B table; nothing reduced.
+
+    What `keras_comm.training.replicated.forward` is for other models: one
+    gradient (or None) per `model.trainable_weights`, the loss tracked, and
+    the predictions for the metrics; the caller applies (the default step
+    above) or accumulates and shards them (`ParallelOptimizer`, whose step
+    calls this for a model this policy `applies` to, so 1F1B runs under the
+    callback too). The stage buffer's gradient is this stage's, reduced
+    later by its gradient hook over the stage's data group.
+
+    Returns:
+        A `keras_comm.training.replicated.Forward`.
+    """
     from keras_comm.parallel import _common
     from keras_comm.parallel import pipeline as pipeline_lib
     from keras_comm.parallel import schedules
-    from keras_comm.training import nontrainable
     from keras_comm.training import replicated
 
     layer = _pipeline_layer(model)
@@ -148,14 +173,12 @@ def train_step(model, data):
         grads = tape.gradient(h, pre_weights, output_gradients=dh)
     by_id = {id(w): g for w, g in zip(pre_weights, grads)}
     by_id[id(layer._buffer)] = dflat
-    weights = model.trainable_weights
-    model.optimizer.apply_gradients(zip([by_id.get(id(w)) for w in weights], weights))
-    # Layers before the pipeline may keep moving statistics (BatchNormalization).
-    nontrainable.sync(model)
     # The loss metric: this replica's own samples, as the replicated step tracks it.
     loss = keras_api.compute_loss(model, x, y, y_pred, sample_weight)
     keras_api.track_loss(model, loss, batch)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return replicated.Forward(
+        [by_id.get(id(w)) for w in model.trainable_weights], x, y, y_pred, sample_weight
+    )
 
 
 def p2p_after(t, deps):

@@ -7,6 +7,9 @@ replica per worker):
   mesh) trains with `model.fit` and is compared (full weights, gathered)
   with the unsplit model trained in this process without a strategy on the
   same global batches; `evaluate` and `predict` are compared too;
+- bn (2 workers): stages holding BatchNormalization, 1F1B, against the
+  unsplit model trained micro-batch by micro-batch (the moving statistics
+  included, and predict, which normalizes with them);
 - bytes: this worker's trainable parameters (the buffer component) and its
   own stage's size;
 - save: `save_weights` and `.keras` (the chief to STATE_DIR, others to a path
@@ -149,6 +152,47 @@ def exact(name):
     }
 
 
+def bn_exact():
+    """BatchNormalization in both stages, 2 stages x 2 micro-batches, 1F1B's step."""
+    m, batch = 2, 8  # global batch 8: micro-batches of 4
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), P.Pipeline([
+            keras.Sequential([keras.layers.Dense(5), keras.layers.BatchNormalization(momentum=0.5),
+                              keras.layers.Activation("tanh")]),
+            keras.Sequential([keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6)]),
+        ], m, "1f1b")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref = keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5),
+        keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh"),
+        keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6),
+    ])
+    ref.set_weights(P.full_weights(model))  # kernel, bias, gamma, beta, moving mean, variance, ...
+    opt = keras.optimizers.SGD(0.1)
+    x, y = data(batch, 6)
+    model.fit(dataset(x, y, batch), epochs=1, verbose=0)
+    mb = batch // m
+    for start in range(0, len(x), batch):  # the unsplit model as the pipeline computes
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([
+                tf.reduce_mean(tf.square(ref(x[start + i * mb : start + (i + 1) * mb], training=True)
+                                         - y[start + i * mb : start + (i + 1) * mb]))
+                for i in range(m)
+            ]) / m
+        opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
+    got, want = P.full_weights(model), ref.get_weights()
+    moving = ["moving" in w.path for w in ref.weights]
+    return {
+        # np.allclose's rule (rtol 1e-5, atol 1e-6) as a number: <= 0 passes.
+        # atol: the biases just before a BatchNormalization get a zero
+        # gradient (the normalization removes their shift): their values are round-off.
+        "excess": max(float(np.max(np.abs(g - w) - 1e-6 - 1e-5 * np.abs(w))) for g, w in zip(got, want, strict=True)),
+        "moving_rel": rel([w for w, mv in zip(want, moving) if mv], [g for g, mv in zip(got, moving) if mv]),
+        "moved": float(np.max(np.abs(want[moving.index(True)]))),
+        "predict_rel": rel([ref.predict(x, verbose=0)], [model.predict(dataset(x, y, batch), verbose=0)]),
+    }
+
+
 def own_path(state_dir, name):
     return str(Path(state_dir) / name) if CHIEF else str(Path(tempfile.mkdtemp()) / name)
 
@@ -193,6 +237,8 @@ def save_and_resume(state_dir):
 
 def main(state_dir):
     out = {"rank": RANK, "exact": {name: exact(name) for name in CONFIGS}}
+    if N == 2:
+        out["bn"] = bn_exact()
     out.update(save_and_resume(state_dir))
     write_result(out)
 
