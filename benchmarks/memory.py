@@ -147,6 +147,66 @@ def _anonymous_rss_bytes():
     return None
 
 
+class _Sampler:
+    """Samples this process's resident memory every `interval` seconds on a
+    thread (TensorFlow's kernels release the GIL), keeping the peak of each
+    phase: "build", "fit begin" (until the first batch starts), "step k"
+    (batch k's train function, its callbacks included) and "fit end".
+
+    `ru_maxrss` only says how high the process went; the phases say when,
+    which is what tells a transient of the first step (slot resharding)
+    from one of every step (gradients, the update).
+    """
+
+    def __init__(self, interval=0.002):
+        import threading
+
+        self.interval = interval
+        self.phase = "build"
+        self.peaks = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self):
+        rss = _current_rss_bytes()
+        phase = self.phase
+        if rss > self.peaks.get(phase, 0):
+            self.peaks[phase] = rss
+
+    def enter(self, phase):
+        self.sample()
+        self.phase = phase
+        self.sample()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return {k: v / MIB for k, v in self.peaks.items()}
+
+
+def _phase_callback(sampler):
+    import keras
+
+    class Phases(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            sampler.enter("fit begin")
+
+        def on_train_batch_begin(self, batch, logs=None):
+            sampler.enter(f"step {batch}")
+
+        def on_train_end(self, logs=None):
+            sampler.enter("fit end")
+
+    return Phases()
+
+
 def measure(config, model, steps, per_replica_batch):
     """Worker side: one configuration in this (fresh) process."""
     import numpy as np
@@ -167,11 +227,15 @@ def measure(config, model, steps, per_replica_batch):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     ds = ds.with_options(options)
     before_build = _maxrss_bytes()
+    sampler = _Sampler()
     m, callbacks = CONFIGS[config](strategy, model)
     built = _maxrss_bytes()
     started = time.perf_counter()
-    m.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
+    # The phase callback first: its batch begin runs before the others'.
+    m.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
+          callbacks=[_phase_callback(sampler)] + callbacks)
     seconds = time.perf_counter() - started
+    phase_peaks = sampler.stop()
     result = {
         "rank": rank,
         "workers": n,
@@ -188,6 +252,8 @@ def measure(config, model, steps, per_replica_batch):
         "rss_after_fit": _current_rss_bytes(),
         "rss_anon_after_fit": _anonymous_rss_bytes(),
         "fit_seconds": seconds,
+        # Sampled resident memory's peak per phase, MiB (see `_Sampler`).
+        "phase_peak_mib": phase_peaks,
     }
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):
