@@ -311,6 +311,19 @@ def summarize(ranks):
         row["anon_after_fit_mib"] = max(r["rss_anon_after_fit"] for r in ranks) / MIB
     if "state_bytes" in first:
         row["state_bytes"] = first["state_bytes"]
+    if all(r.get("phase_peak_mib") for r in ranks):
+        phases = {p for r in ranks for p in r["phase_peak_mib"]}
+        row["phase_peak_mib"] = {
+            p: max(r["phase_peak_mib"].get(p, 0.0) for r in ranks) for p in phases
+        }
+        # The training steps' own peak (the first step reshards the slots).
+        steps = [v for p, v in row["phase_peak_mib"].items() if p.startswith("step ")]
+        if steps:
+            row["steps_peak_mib"] = max(steps)
+            row["later_steps_peak_mib"] = max(
+                [v for p, v in row["phase_peak_mib"].items()
+                 if p.startswith("step ") and p != "step 0"] or steps
+            )
     return row
 
 
@@ -338,7 +351,9 @@ def markdown_section(memory):
         "Peak resident memory (`ru_maxrss`) of each worker process over building the model "
         "(Adam, mse) and a few `fit` steps; one fresh launch per row, the largest rank's figure. "
         "\"state MiB\" is what `ParallelOptimizer.state_bytes()` says a replica holds "
-        "(slots + float32 masters while an update runs + accumulation buffers)."
+        "(slots + float32 masters while an update runs + accumulation buffers). "
+        "\"RSS peak in the steps\" is the highest resident memory sampled (every 2 ms) "
+        "while `fit`'s training steps ran, the largest rank's."
     )
     out.append("")
     rows = memory.get("rows", [])
@@ -358,12 +373,13 @@ def markdown_section(memory):
                 " / ".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"]),
                 f"{r['peak_rss_mib'] - plain:+.0f}" if plain is not None else "–",
                 f"{r['after_build_mib']:.0f}",
+                f"{r['steps_peak_mib']:.0f}" if "steps_peak_mib" in r else "–",
                 f"{sum(state.values()) / MIB:.0f}" if state else "–",
                 f"{r['bytes_per_step'] / MIB:.0f}" if "bytes_per_step" in r else "–",
             ]) + " |")
         out.append("| configuration | peak RSS MiB | per rank | vs plain fit | after build MiB "
-                   "| state MiB / replica | sent MiB / step / replica |")
-        out.append("|---|---|---|---|---|---|---|")
+                   "| RSS peak in the steps MiB | state MiB / replica | sent MiB / step / replica |")
+        out.append("|---|---|---|---|---|---|---|---|")
         out += table
         out.append("")
     for error in memory.get("errors", []):
