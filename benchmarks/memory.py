@@ -403,7 +403,8 @@ def plot(plt, rows):
         for i, r in enumerate(group):
             ax.text(i, r["peak_rss_mib"], f"{r['peak_rss_mib']:.0f}", ha="center", va="bottom",
                     fontsize=10)
-        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n") for r in group])
+        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n").replace(" (", "\n(")
+                            for r in group], fontsize=9)
         ax.set_ylabel("MiB per worker")
         ax.set_title(f"{model} ({params / 1e6:.0f}M parameters, Adam), {n} workers")
         ax.set_ylim(0, max(r["peak_rss_mib"] for r in group) * 1.35)
