@@ -147,6 +147,66 @@ def _anonymous_rss_bytes():
     return None
 
 
+class _Sampler:
+    """Samples this process's resident memory every `interval` seconds on a
+    thread (TensorFlow's kernels release the GIL), keeping the peak of each
+    phase: "build", "fit begin" (until the first batch starts), "step k"
+    (batch k's train function, its callbacks included) and "fit end".
+
+    `ru_maxrss` only says how high the process went; the phases say when,
+    which is what tells a transient of the first step (slot resharding)
+    from one of every step (gradients, the update).
+    """
+
+    def __init__(self, interval=0.002):
+        import threading
+
+        self.interval = interval
+        self.phase = "build"
+        self.peaks = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self):
+        rss = _current_rss_bytes()
+        phase = self.phase
+        if rss > self.peaks.get(phase, 0):
+            self.peaks[phase] = rss
+
+    def enter(self, phase):
+        self.sample()
+        self.phase = phase
+        self.sample()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return {k: v / MIB for k, v in self.peaks.items()}
+
+
+def _phase_callback(sampler):
+    import keras
+
+    class Phases(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            sampler.enter("fit begin")
+
+        def on_train_batch_begin(self, batch, logs=None):
+            sampler.enter(f"step {batch}")
+
+        def on_train_end(self, logs=None):
+            sampler.enter("fit end")
+
+    return Phases()
+
+
 def measure(config, model, steps, per_replica_batch):
     """Worker side: one configuration in this (fresh) process."""
     import numpy as np
@@ -167,11 +227,15 @@ def measure(config, model, steps, per_replica_batch):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     ds = ds.with_options(options)
     before_build = _maxrss_bytes()
+    sampler = _Sampler()
     m, callbacks = CONFIGS[config](strategy, model)
     built = _maxrss_bytes()
     started = time.perf_counter()
-    m.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
+    # The phase callback first: its batch begin runs before the others'.
+    m.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
+          callbacks=[_phase_callback(sampler)] + callbacks)
     seconds = time.perf_counter() - started
+    phase_peaks = sampler.stop()
     result = {
         "rank": rank,
         "workers": n,
@@ -188,6 +252,8 @@ def measure(config, model, steps, per_replica_batch):
         "rss_after_fit": _current_rss_bytes(),
         "rss_anon_after_fit": _anonymous_rss_bytes(),
         "fit_seconds": seconds,
+        # Sampled resident memory's peak per phase, MiB (see `_Sampler`).
+        "phase_peak_mib": phase_peaks,
     }
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):
@@ -245,6 +311,19 @@ def summarize(ranks):
         row["anon_after_fit_mib"] = max(r["rss_anon_after_fit"] for r in ranks) / MIB
     if "state_bytes" in first:
         row["state_bytes"] = first["state_bytes"]
+    if all(r.get("phase_peak_mib") for r in ranks):
+        phases = {p for r in ranks for p in r["phase_peak_mib"]}
+        row["phase_peak_mib"] = {
+            p: max(r["phase_peak_mib"].get(p, 0.0) for r in ranks) for p in phases
+        }
+        # The training steps' own peak (the first step reshards the slots).
+        steps = [v for p, v in row["phase_peak_mib"].items() if p.startswith("step ")]
+        if steps:
+            row["steps_peak_mib"] = max(steps)
+            row["later_steps_peak_mib"] = max(
+                [v for p, v in row["phase_peak_mib"].items()
+                 if p.startswith("step ") and p != "step 0"] or steps
+            )
     return row
 
 
@@ -272,7 +351,9 @@ def markdown_section(memory):
         "Peak resident memory (`ru_maxrss`) of each worker process over building the model "
         "(Adam, mse) and a few `fit` steps; one fresh launch per row, the largest rank's figure. "
         "\"state MiB\" is what `ParallelOptimizer.state_bytes()` says a replica holds "
-        "(slots + float32 masters while an update runs + accumulation buffers)."
+        "(slots + float32 masters while an update runs + accumulation buffers). "
+        "\"RSS peak in the steps\" is the highest resident memory sampled (every 2 ms) "
+        "while `fit`'s training steps ran, the largest rank's."
     )
     out.append("")
     rows = memory.get("rows", [])
@@ -292,12 +373,13 @@ def markdown_section(memory):
                 " / ".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"]),
                 f"{r['peak_rss_mib'] - plain:+.0f}" if plain is not None else "–",
                 f"{r['after_build_mib']:.0f}",
+                f"{r['steps_peak_mib']:.0f}" if "steps_peak_mib" in r else "–",
                 f"{sum(state.values()) / MIB:.0f}" if state else "–",
                 f"{r['bytes_per_step'] / MIB:.0f}" if "bytes_per_step" in r else "–",
             ]) + " |")
         out.append("| configuration | peak RSS MiB | per rank | vs plain fit | after build MiB "
-                   "| state MiB / replica | sent MiB / step / replica |")
-        out.append("|---|---|---|---|---|---|---|")
+                   "| RSS peak in the steps MiB | state MiB / replica | sent MiB / step / replica |")
+        out.append("|---|---|---|---|---|---|---|---|")
         out += table
         out.append("")
     for error in memory.get("errors", []):
@@ -321,7 +403,8 @@ def plot(plt, rows):
         for i, r in enumerate(group):
             ax.text(i, r["peak_rss_mib"], f"{r['peak_rss_mib']:.0f}", ha="center", va="bottom",
                     fontsize=10)
-        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n") for r in group])
+        ax.set_xticks(idx, [_label(r["config"]).replace(", ", "\n").replace(" (", "\n(")
+                            for r in group], fontsize=9)
         ax.set_ylabel("MiB per worker")
         ax.set_title(f"{model} ({params / 1e6:.0f}M parameters, Adam), {n} workers")
         ax.set_ylim(0, max(r["peak_rss_mib"] for r in group) * 1.35)

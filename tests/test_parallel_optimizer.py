@@ -133,8 +133,17 @@ def test_buckets_match_single_process(acc, zero, monkeypatch):
     monkeypatch.setattr(sharding, "BUCKET_ELEMENTS", 16)
     x, y = _data(32)
     model, po = _parallel("adam", x, y, accumulation_steps=acc, zero_stage=zero)
-    assert len(po._engine.state.buckets) == 3
+    state = po._engine.state
+    assert len(state.buckets) == 3
     assert _max_rel(model.get_weights(), _reference("adam", acc, x, y)) <= RTOL
+    # The gradient collectives are issued last bucket first, the order in
+    # which backward makes the gradients (so each bucket is reduced, and its
+    # full-size gradients freed, while backward goes on); the all-gathers
+    # of the updated weights follow in variable order.
+    packed = [state.layout.sub(*b).packed_size for b in state.buckets]
+    fn = po.captured["micro" if zero == 2 and acc > 1 else "apply"]
+    sizes = _gradient_collective_sizes(fn)
+    assert sizes == packed[::-1], (sizes, packed)
 
 
 @pytest.mark.parametrize("unknown_length", [False, True], ids=["known", "unknown"])
@@ -250,6 +259,39 @@ def _collective_ops(function):
                 if node.op.startswith("Collective") and "parallel_optimizer" in node.name:
                     found.append(node.op)
     return found
+
+
+def _gradient_collective_sizes(function):
+    """Elements of each gradient collective (all-reduce, or the all-to-all of
+    a CPU reduce-scatter) of the first replica, in the order `function`'s
+    graph issues them."""
+    sizes = []
+    for poly in _functions_in(function):
+        for concrete in poly._list_all_concrete_functions():
+            for op in concrete.graph.get_operations():
+                if "parallel_optimizer" in op.name and op.type in (
+                    "CollectiveReduceV2", "CollectiveAllToAllV2"
+                ) and op.inputs[0].dtype == tf.float32 and op.inputs[0].shape.rank:
+                    sizes.append(op.inputs[0].shape.num_elements())
+    return sizes[: len(sizes) // 2]  # 2 replicas in one graph, the first traced first
+
+
+def _functions_in(obj, depth=0, seen=None):
+    seen = set() if seen is None else seen
+    if depth > 6 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, tf.types.experimental.PolymorphicFunction):
+        yield obj
+        return
+    inner = getattr(obj, "__wrapped__", None)
+    if inner is not None:
+        yield from _functions_in(inner, depth + 1, seen)
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            yield from _functions_in(cell.cell_contents, depth + 1, seen)
+        except ValueError:
+            pass
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -202,9 +202,12 @@ class AccumulateStep:
         packed = None
         if plain:
             if s.zero_stage == 2:
-                packed = tf.concat(
-                    [self._reduce_scatter(self._bucket(plain, b)) for b in s.buckets], 0
+                # Issued last bucket first (see `_reversed`): each bucket's
+                # full gradient is freed as soon as backward has made it.
+                shards = _reversed(
+                    s.buckets, lambda b: self._reduce_scatter(self._bucket(plain, b))
                 )
+                packed = tf.concat(shards, 0)
             elif accumulate:
                 packed = sharding.pack(plain, s.layout, tf.float32)
             else:
@@ -244,7 +247,8 @@ class AccumulateStep:
             if s.zero_stage == 2:
                 grads = sharding.split_shards(contribution * scale, s.layout)
             else:
-                for bucket in s.buckets:
+
+                def reduce(bucket):
                     packed = self._bucket(contribution, bucket)
                     if s.zero_stage == 1:
                         total = self._reduce_scatter(packed)
@@ -252,9 +256,13 @@ class AccumulateStep:
                         total = packed
                     else:
                         total = _collective.run(
-                            lambda packed=packed: _collective.all_reduce(packed, call)
+                            lambda: _collective.all_reduce(packed, call)
                         )
-                    grads += sharding.split_shards(total * scale, s.layout.sub(*bucket))
+                    return sharding.split_shards(total * scale, s.layout.sub(*bucket))
+
+                # Last bucket first (see `_reversed`).
+                for shards in _reversed(s.buckets, reduce):
+                    grads += shards
             shard_index = call.replica.rank if s.num_shards > 1 else 0
             # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
@@ -468,6 +476,25 @@ class ExternalSlots:
             with tf.device(replica.device):
                 piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
                 fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))  # not a view of `flat`
+
+
+def _reversed(buckets, fn):
+    """``[fn(b) for b in buckets]``, but called last bucket first.
+
+    Backward makes the last layers' gradients first, and the collectives of
+    a device run in the order they are issued (its ordering token). Issued
+    in variable order, the first collective would wait for the first layer's
+    gradient -- the last one backward makes -- so every full-size gradient
+    of the model would be alive at once. Issued last bucket first, each
+    bucket is packed and reduced as soon as backward has made it, and its
+    full-size gradients are freed while backward goes on (the overlap of
+    DDP's buckets): the gradients a replica holds at once are those of the
+    layers backward is between, not the model's.
+    """
+    out = [None] * len(buckets)
+    for k in reversed(range(len(buckets))):
+        out[k] = fn(buckets[k])
+    return out
 
 
 def _write(v, value):
