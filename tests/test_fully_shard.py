@@ -303,6 +303,84 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def _hand_placed(wrap):
+    """Sequential(Dense, LayerNormalization, Functional(Dense, Dense)) with
+    `wrap` applied to the Dense layers and the LayerNormalization."""
+    inner_in = keras.Input((7,))
+    h = wrap(keras.layers.Dense(4, name="fa"))(inner_in)
+    block = keras.Model(inner_in, wrap(keras.layers.Dense(3, name="fb"))(h))
+    return keras.Sequential(
+        [keras.Input((5,)), wrap(keras.layers.Dense(7)), wrap(keras.layers.LayerNormalization()), block]
+    )
+
+
+def test_hand_placed_wrappers_share_files_with_the_unwrapped_model(tmp_path):
+    """Keras names a layer list's entries by class ("fully_shard_1"), so a
+    hand-built wrapped model's files do not fit the unwrapped model (Keras
+    refuses them) until `set_checkpoint_names` gives each wrapper its inner
+    layer's entry; then each loads the other's files, nested Functional
+    blocks included. One process: the naming is the same on any cluster."""
+    keras.utils.set_random_seed(2)
+    plain = _hand_placed(lambda layer: layer)
+    expected = [w + 0.5 for w in plain.get_weights()]  # not the initial values
+    plain.set_weights(expected)
+    wrapped = _hand_placed(P.FullyShard)
+    P.set_full_weights(wrapped, expected)
+    wrapped.save_weights(str(tmp_path / "default.weights.h5"))
+    with pytest.raises(ValueError, match="could not be loaded"):
+        _hand_placed(lambda layer: layer).load_weights(str(tmp_path / "default.weights.h5"))
+
+    assert P.set_checkpoint_names(wrapped) is wrapped
+    wrapped.save_weights(str(tmp_path / "named.weights.h5"))
+    wrapped.save(str(tmp_path / "named.keras"))
+    for name in ("named.weights.h5", "named.keras"):
+        other = _hand_placed(lambda layer: layer)
+        other.load_weights(str(tmp_path / name))
+        for got, want in zip(other.get_weights(), expected):
+            np.testing.assert_array_equal(got, want)
+    # And back: a named wrapped model loads the unwrapped model's file.
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    back = P.set_checkpoint_names(_hand_placed(P.FullyShard))
+    back.load_weights(str(tmp_path / "plain.weights.h5"))
+    for got, want in zip(P.full_weights(back), expected):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="Received: model="):
+        P.set_checkpoint_names(keras.layers.Dense(2))
+
+
+class _Attributes(keras.Model):
+    def __init__(self, wrap, **kwargs):
+        super().__init__(**kwargs)
+        self.first = wrap(keras.layers.Dense(3), "dense")
+        self.second = wrap(keras.layers.Dense(2), "dense_1")
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def test_subclassed_model_entries_follow_keras_walk(tmp_path):
+    """Keras saves a subclassed model's layer under its attribute when the
+    name sorts before "layers" ("first"), else in the `layers` list by
+    class ("layers/dense_1"). A hand-given checkpoint_name applies to list
+    entries only, so giving both wrappers their unwrapped list names is
+    right whichever way Keras walks; set_checkpoint_names leaves a
+    subclassed model's names alone (it cannot see the attribute order)."""
+    keras.utils.set_random_seed(3)
+    plain = _Attributes(lambda layer, name: layer)
+    plain(np.zeros((1, 4), "float32"))
+    wrapped = _Attributes(lambda layer, name: P.FullyShard(layer, checkpoint_name=name))
+    wrapped(np.zeros((1, 4), "float32"))
+    P.set_full_weights(wrapped, plain.get_weights())
+    P.set_checkpoint_names(wrapped)
+    assert [w.checkpoint_name for w in (wrapped.first, wrapped.second)] == ["dense", "dense_1"]
+    wrapped.save_weights(str(tmp_path / "w.weights.h5"))
+    other = _Attributes(lambda layer, name: layer)
+    other(np.zeros((1, 4), "float32"))
+    other.load_weights(str(tmp_path / "w.weights.h5"))
+    for got, want in zip(other.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_config_round_trips():
     layer = P.FullyShard(keras.layers.Dense(3, name="d"), accumulation="local", accumulation_steps=2)
     config = layer.get_config()

@@ -172,8 +172,11 @@ class FullyShard(_common.ParallelLayer):
             name the unwrapped model's file uses for the inner layer
             ("dense_1"): then this layer writes and reads that entry, and
             the unwrapped model and this one load each other's files.
-            `fully_shard` sets it. A file without that entry is read from
-            the wrapper's own entry (files written without it).
+            `fully_shard` and `set_checkpoint_names` set it. It applies
+            where Keras lists the wrapper by class (a layer list); a
+            wrapper saved under an attribute's name keeps that name. A
+            file without that entry is read from the wrapper's own entry
+            (files written without it).
 
     Input shape / Output shape: those of `layer`.
 
@@ -693,16 +696,23 @@ class FullyShard(_common.ParallelLayer):
 
     def _entry_path(self, path):
         """The unwrapped model's entry for this layer: `path`'s last part
-        replaced by `checkpoint_name`."""
-        parent = path.rpartition("/")[0]
+        replaced by `checkpoint_name` when `path` is an entry of a layer
+        list (Keras's class-based "fully_shard_1"); None otherwise (a layer
+        saved under an attribute's name, which the unwrapped model shares)."""
+        if self.checkpoint_name is None:
+            return None
+        parent, _, last = path.rpartition("/")
+        if not _LIST_ENTRY.fullmatch(last):
+            return None
         return f"{parent}/{self.checkpoint_name}" if parent else self.checkpoint_name
 
     def save_own_variables(self, store):
         inner = self._hidden.layer
         values = self.full_weights()
         path = keras_api.weights_store_path(store)
-        if self.checkpoint_name is not None:
-            path = self._entry_path(path)
+        entry = self._entry_path(path)
+        if entry is not None:
+            path = entry
             # Repositions the store, as Keras's own walk does per layer.
             store.make(path, metadata={"name": inner.name})
         with keras.StatelessScope(
@@ -714,8 +724,9 @@ class FullyShard(_common.ParallelLayer):
     def load_own_variables(self, store):
         inner = self._hidden.layer
         path = keras_api.weights_store_path(store)
-        if self.checkpoint_name is not None and _store_has(store, self._entry_path(path)):
-            path = self._entry_path(path)
+        entry = self._entry_path(path)
+        if entry is not None and _store_has(store, entry):
+            path = entry
             store.get(path)
         with keras.StatelessScope(initialize_variables=False) as scope:
             inner.load_own_variables(store)
@@ -746,6 +757,11 @@ class FullyShard(_common.ParallelLayer):
         return config
 
 
+# Keras's name for a FullyShard in a layer list: its class in snake case,
+# numbered per class (keras.src.saving.saving_lib._save_container_state).
+_LIST_ENTRY = re.compile(r"fully_shard(_[0-9]+)?")
+
+
 def _store_has(store, path):
     has_path = getattr(store, "has_path", None)  # Keras >= 3.12
     if has_path is not None:
@@ -761,12 +777,62 @@ def _snake_case(name):
     return name
 
 
+def _is_layer_list_model(model):
+    """Sequential or Functional (subclasses too): Keras saves their `layers`
+    as one list, each entry named after its class (public names only: the
+    type's MRO, as Keras's `_obj_type`)."""
+    return isinstance(model, keras.Model) and any(
+        c.__name__ in ("Sequential", "Functional") for c in type(model).__mro__
+    )
+
+
+def set_checkpoint_names(model):
+    """Names every `FullyShard`'s file entry as the unwrapped model's.
+
+    Keras names the entries of a Sequential/Functional model's layer list
+    after each layer's class, numbered per class in list order ("dense",
+    "dense_1", ...; never the layer's `name`, which differs between two
+    instances of one model). A wrapper is listed under its own class
+    ("fully_shard", "fully_shard_1"), so a model with hand-placed wrappers
+    writes files the unwrapped model cannot load (Keras raises: its layers
+    find no entry) and cannot load the unwrapped model's. This gives each
+    wrapper, as its `checkpoint_name`, the entry its inner layer has in the
+    unwrapped model; afterwards each model loads the other's `.keras` /
+    `.weights.h5` files. `fully_shard` calls it on its copy.
+
+    Nested Sequential/Functional models are entered. Layers a subclassed
+    model tracks as attributes are saved under the attribute's name, which
+    the unwrapped model shares, so they need (and get) no name.
+
+    Args:
+        model: a Keras model holding `FullyShard` layers.
+
+    Returns:
+        `model`.
+
+    Raises:
+        TypeError: `model` is not a Keras model.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"set_checkpoint_names takes a Keras model. Received: model={model!r}"
+        )
+    _set_checkpoint_names(model)
+    return model
+
+
 def _set_checkpoint_names(model):
-    """Gives every FullyShard of `model` (a fully_shard copy) the entry name
-    Keras's saving gives its inner layer in the unwrapped model: the snake
-    case of the class, made unique per container in the order of `layers`."""
+    """Gives every FullyShard in `model`'s layer list (Sequential and
+    Functional) the entry name Keras's saving gives its inner layer in the
+    unwrapped model: the snake case of the class, made unique per container
+    in the order of `layers`."""
+    listed = _is_layer_list_model(model)
     used = {}
     for layer in getattr(model, "layers", []):
+        if isinstance(layer, keras.Model):
+            _set_checkpoint_names(layer)
+        if not listed:
+            continue
         unwrapped = layer.inner_layer() if isinstance(layer, FullyShard) else layer
         base = _snake_case(type(unwrapped).__name__)
         if base in used:
@@ -777,8 +843,6 @@ def _set_checkpoint_names(model):
             name = base
         if isinstance(layer, FullyShard):
             layer.checkpoint_name = name
-        elif isinstance(layer, keras.Model):
-            _set_checkpoint_names(layer)
 
 
 def _after(tensors, dependencies):
