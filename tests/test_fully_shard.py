@@ -257,10 +257,32 @@ def test_state_is_one_over_n_and_gradients_leave_reduce_scattered():
     assert len(set(state.values())) == 1
 
 
+def _check_traced_bytes(capture):
+    """The collectives in fit's traced step of the 2-replica mlp, counted
+    from its graph (benchmarks/collective_bytes.py): per replica, two
+    all-gathers of its shards (forward, backward recompute) and one
+    reduce-scatter of the padded full gradient per layer, and no all-reduce
+    of a gradient (only the loss and metric scalars): 3 (N-1)/N S sent by
+    a ring, S padded."""
+    from benchmarks import collective_bytes
+
+    counts = collective_bytes.count(capture.functions, 2)
+    # Shards per replica: d1 18 + 4, ln 4 + 4, d2 11 + 2 elements (float32).
+    shard_bytes = [22 * 4, 8 * 4, 13 * 4]
+    assert sorted(counts["all_gather"]["sizes"]) == sorted(shard_bytes * 2), counts
+    assert sorted(counts["reduce_scatter"]["sizes"]) == sorted(2 * b for b in shard_bytes), counts
+    assert max(counts["all_reduce"]["sizes"]) <= 16, counts  # scalars: no gradient all-reduce
+    padded = 2 * sum(shard_bytes)
+    sent = counts["all_gather"]["sent"] + counts["reduce_scatter"]["sent"]
+    assert sent == 3 * (2 - 1) / 2 * padded
+
+
 @pytest.mark.inprocess
 def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     """Files hold every weight and Adam slot full-size in the unwrapped
     layer's structure (below the wrapper's entry); any group size loads them.
+    The fit's traced step also has its collectives counted
+    (`_check_traced_bytes`): one fit pays for both.
 
     fully_shard's wrappers write the unwrapped model's entry names ("dense",
     not Keras's "fully_shard"), so the unwrapped model loads the file: see
@@ -273,7 +295,11 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     with strategy.scope():
         model = P.fully_shard(ref)
         model.compile(keras.optimizers.Adam(0.01), "mse")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    from benchmarks import collective_bytes
+
+    capture = collective_bytes.CaptureStep()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[capture])
+    _check_traced_bytes(capture)
     trained = P.full_weights(model)
     model.save_weights(str(tmp_path / "fs.weights.h5"))
     model.save(str(tmp_path / "fs.keras"))
