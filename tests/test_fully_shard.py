@@ -7,6 +7,7 @@ memory, checkpoints in the unwrapped layout, and the build-time errors.
 """
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -255,6 +256,70 @@ def test_state_is_one_over_n_and_gradients_leave_reduce_scattered():
         model.optimizer.build(model.trainable_weights)
     state = P.replica_state_bytes(model)
     assert len(set(state.values())) == 1
+
+
+def _ancestors(op):
+    """The ids of the ops `op` depends on (data or control edges), itself included."""
+    seen, stack = set(), [op]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        stack += [t.op for t in cur.inputs] + list(cur.control_inputs)
+    return seen
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_gathers_one_layer_early_and_no_further(prefetch):
+    """In the traced step of three wrapped Dense layers (trace only, nothing
+    runs): with prefetch a layer's all-gather does not wait for the previous
+    wrapped layer's compute (its MatMuls) -- it may run while that layer
+    computes -- but waits for the compute before it (at most about two
+    layers' weights live), forward and backward; without prefetch each
+    gather waits for its predecessor's compute. (keras_comm's collectives on
+    one device run in program order either way: its ordering token.)"""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        plain = keras.Sequential([keras.Input((5,))] + [keras.layers.Dense(k) for k in (7, 6, 3)])
+        model = P.fully_shard(plain, prefetch=prefetch)
+    x = tf.constant(cases.data("mlp", 4)[0])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return tape.gradient(loss, model.trainable_weights)
+
+    graph = tf.function(lambda: strategy.run(step)).get_concrete_function().graph
+    ops = [op for op in graph.get_operations() if op.device.endswith("CPU:0")]
+    per_layer = []  # [forward gather, backward gather] per layer, forward order
+    for layer in model.layers:
+        pattern = re.compile(rf"(.*/)?{layer.name}_gather_all_gather(_[0-9]+)?")
+        per_layer.append([op for op in ops if op.type == "CollectiveGatherV2" and pattern.fullmatch(op.name)])
+    assert [len(g) for g in per_layer] == [2, 2, 2], per_layer
+    chains = ([g[0] for g in per_layer], [g[1] for g in per_layer][::-1])
+    up = {id(op): _ancestors(op) for chain in chains for op in chain}
+    matmuls = [(op, _ancestors(op)) for op in ops if op.type == "MatMul"]
+
+    def compute(chain, p, exclude=()):
+        """The MatMuls that use gather p's weights: they wait for it, and
+        not for a later gather of the chain (whose layers' compute that is)."""
+        later = [id(op) for op in list(chain[p + 1 :]) + list(exclude)]
+        return [op for op, anc in matmuls if id(chain[p]) in anc and not any(q in anc for q in later)]
+
+    for chain, exclude in ((chains[0], chains[1]), (chains[1], ())):
+        c = [compute(chain, p, exclude) for p in range(3)]
+        assert all(c), c
+
+        def waits(gather, ops_):
+            return any(id(op) in up[id(gather)] for op in ops_)
+
+        assert waits(chain[1], c[0]) is not prefetch
+        assert waits(chain[2], c[1]) is not prefetch
+        assert waits(chain[2], c[0])  # never more than one layer early
+    with pytest.raises(TypeError, match="Received: prefetch="):
+        P.FullyShard(keras.layers.Dense(2), prefetch="yes")
 
 
 def _check_traced_bytes(capture):

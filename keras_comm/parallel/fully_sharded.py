@@ -54,7 +54,9 @@ Optimizer slots are written full-size in the unwrapped weight's shape
 import enum
 import inspect
 import re
+import threading
 import types
+import weakref
 import zlib
 
 import keras
@@ -177,6 +179,13 @@ class FullyShard(_common.ParallelLayer):
             wrapper saved under an attribute's name keeps that name. A
             file without that entry is read from the wrapper's own entry
             (files written without it).
+        prefetch: True (default): the layer's all-gather may start one
+            wrapped layer early -- forward, once the previous wrapped
+            layer's input exists; backward, once the upstream gradient of
+            the layer after it exists -- so it can overlap that layer's
+            compute; at most about two layers' full weights are live.
+            False: each gather waits for its own layer's input (forward)
+            or upstream gradient (backward).
 
     Input shape / Output shape: those of `layer`.
 
@@ -212,6 +221,7 @@ class FullyShard(_common.ParallelLayer):
         seed=None,
         timeout=None,
         checkpoint_name=None,
+        prefetch=True,
         **kwargs,
     ):
         if isinstance(layer, dict):
@@ -246,6 +256,11 @@ class FullyShard(_common.ParallelLayer):
                 f"Received: checkpoint_name={checkpoint_name!r}"
             )
         self.checkpoint_name = checkpoint_name
+        if not isinstance(prefetch, bool):
+            raise TypeError(
+                f"FullyShard: `prefetch` must be True or False. Received: prefetch={prefetch!r}"
+            )
+        self.prefetch = prefetch
         initial = None
         if layer.built:
             initial = [np.asarray(keras.ops.convert_to_numpy(w)) for w in layer.weights]
@@ -463,6 +478,37 @@ class FullyShard(_common.ParallelLayer):
                 full[i] = tf.reshape(tf.reshape(c, [-1])[: spec.size], spec.full_shape)
         return full
 
+    def _backward_gather(self, shards, upstream, position):
+        """The backward's full weights, and with `prefetch` the all-gather
+        for the wrapped layer traced before this one in the forward (whose
+        backward comes next), issued now so that it can run during this
+        layer's recompute and gradient.
+
+        keras_comm's collectives on a device run in program order (their
+        ordering token), and this layer's reduce-scatter is traced before
+        the next backward: a gather traced in the next backward would wait
+        for it, and so for this layer's whole backward. Each prefetch waits
+        for this layer's upstream gradient, so at most two layers' full
+        weights are gathered at once.
+        """
+        trace = _trace_state()
+        if trace is None or position is None:
+            return self._gather(_after(shards, upstream))
+        trace.done.add(position)
+        full = trace.prefetched.pop(position, None)
+        if full is None:
+            full = self._gather(_after(shards, upstream))
+        previous = position - 1
+        if (
+            self.prefetch
+            and previous >= 0
+            and previous not in trace.done
+            and previous not in trace.prefetched
+        ):
+            layer, layer_shards = trace.chain[previous]
+            trace.prefetched[previous] = layer._gather(_after(layer_shards, upstream))
+        return full
+
     def _pack_gradients(self, grads, index, dtype, n):
         """Member-major packed buffer of full-size gradients (padded)."""
         parts = []
@@ -623,7 +669,16 @@ class FullyShard(_common.ParallelLayer):
             # as soon as its inputs are ready, so every layer's gather (which
             # depends on nothing but its shards) would otherwise run at the
             # step's start and hold the whole model's weights at once.
-            s = _after(s, list(d) + [x for j, x in enumerate(inputs) if j not in diff_at])
+            own = list(d) + [x for j, x in enumerate(inputs) if j not in diff_at]
+            trace = _trace_state()
+            gate = own
+            if trace is not None:
+                if self.prefetch and trace.forward_gate is not None:
+                    gate = trace.forward_gate  # one layer early: the previous input
+                trace.forward_gate = own
+                meta["position"] = len(trace.chain)
+                trace.chain.append((self, list(s)))
+            s = _after(s, gate)
             flat_y, new_nt, losses, y = self._run(self._gather(s), nt, rebuild(d), structure, extra)
             meta.update(y=y, ny=len(flat_y), nl=len(losses))
             return flat_y + new_nt + losses
@@ -632,7 +687,8 @@ class FullyShard(_common.ParallelLayer):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
             ny = meta["ny"]
             # Again (the forward kept nothing), once the upstream gradient exists.
-            full = self._gather(_after(s, [u for u in dys if u is not None]))
+            own = [u for u in dys if u is not None]
+            full = self._backward_gather(s, own, meta.get("position"))
             # Distinct tensors: an input passed twice (attention(h, h)) must
             # get each position's own gradient, not the total twice.
             d = [tf.identity(x) for x in d]
@@ -753,6 +809,7 @@ class FullyShard(_common.ParallelLayer):
             accumulation=self.accumulation.value,
             accumulation_steps=self.accumulation_steps,
             checkpoint_name=self.checkpoint_name,
+            prefetch=self.prefetch,
         )
         return config
 
@@ -843,6 +900,32 @@ def _set_checkpoint_names(model):
             name = base
         if isinstance(layer, FullyShard):
             layer.checkpoint_name = name
+
+
+class _Trace:
+    """What the wrapped layers traced so far into one graph, by one thread,
+    share for prefetching: the last forward's gate, the forward order of
+    the layers with their shard tensors, the backwards traced, and the
+    gathers issued ahead ({forward position: full weights})."""
+
+    def __init__(self):
+        self.forward_gate = None
+        self.chain = []
+        self.done = set()
+        self.prefetched = {}
+
+
+# {graph: {thread id: _Trace}}. In-process replicas trace each in its own
+# thread into one graph. Weak in the graph: a finished trace leaves nothing.
+_TRACES = weakref.WeakKeyDictionary()
+
+
+def _trace_state():
+    """The current graph's and thread's `_Trace`; None when eager."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    return _TRACES.setdefault(graph, {}).setdefault(threading.get_ident(), _Trace())
 
 
 def _after(tensors, dependencies):
@@ -948,7 +1031,10 @@ def _has_weights(layer):
     return isinstance(layer, keras.layers.Layer) and bool(layer.weights)
 
 
-def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulation_steps=1, seed=None):
+def fully_shard(
+    model, mesh=None, axis="data", accumulation="sharded", accumulation_steps=1, seed=None,
+    prefetch=True,
+):
     """A copy of a built Sequential/Functional model with every weighted layer
     wrapped in `FullyShard` (nested Sequential/Functional models are
     entered, other layers with weights wrapped whole).
@@ -958,7 +1044,8 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
 
     Args:
         model: a built `keras.Sequential` or Functional model.
-        mesh, axis, accumulation, accumulation_steps, seed: as for `FullyShard`.
+        mesh, axis, accumulation, accumulation_steps, seed, prefetch: as
+            for `FullyShard`.
 
     Returns:
         The copy (same layer names and weight order as `model`).
@@ -981,6 +1068,7 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
                 accumulation=accumulation,
                 accumulation_steps=accumulation_steps,
                 seed=seed,
+                prefetch=prefetch,
             )
         if not isinstance(layer, keras.layers.Layer):
             return layer
