@@ -111,7 +111,18 @@ class CaptureStep(keras.callbacks.Callback):
         self.functions = tf_functions(self.model.train_function)
 
 
+_STRATEGIES = {}
+
+
 def _strategy(n):
+    """One in-process strategy per replica count: a second one over the same
+    devices would reuse its collective keys (as tests/conftest.py)."""
+    if n not in _STRATEGIES:
+        _STRATEGIES[n] = _new_strategy(n)
+    return _STRATEGIES[n]
+
+
+def _new_strategy(n):
     cls = tf.distribute.MultiWorkerMirroredStrategy
     cls._collective_key_base = 90000 + 1000 * n
     try:
