@@ -161,9 +161,9 @@ def main(argv=None):
     )
     import keras_comm  # noqa: F401
 
-    mib = 2**20
-    print("| model | N | configuration | collectives (ops on replica 0) | handed in MiB | "
-          "sent MiB (ring, measured tensors) | of which scalars KiB | formula sent MiB | "
+    kib = 2**10
+    print("| model | N | configuration | collectives (ops on replica 0) | handed in KiB | "
+          "sent KiB (ring, measured tensors) | of which scalars KiB | formula sent KiB | "
           "measured / formula |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models:
@@ -178,8 +178,9 @@ def main(argv=None):
                 small = sum(
                     ring_sent(k, b, n) for k, v in counts.items() for b in v["sizes"] if b <= 64
                 )
-                print(f"| {model_name} | {n} | {config} | {ops} | {handed / mib:.3f} | "
-                      f"{sent / mib:.3f} | {small / 1024:.3f} | {formula / mib:.3f} | {sent / formula:.4f} |")
+                print(f"| {model_name} | {n} | {config} | {ops} | {handed / kib:.2f} | "
+                      f"{sent / kib:.2f} | {small / kib:.3f} | {formula / kib:.2f} | "
+                      f"{sent / formula:.5f} |")
                 sys.stdout.flush()
 
 
