@@ -56,7 +56,6 @@ import inspect
 import re
 import threading
 import types
-import weakref
 import zlib
 
 import keras
@@ -915,9 +914,11 @@ class _Trace:
         self.prefetched = {}
 
 
-# {graph: {thread id: _Trace}}. In-process replicas trace each in its own
-# thread into one graph. Weak in the graph: a finished trace leaves nothing.
-_TRACES = weakref.WeakKeyDictionary()
+# The graph's own attribute, {thread id: _Trace}: in-process replicas trace
+# each in its own thread into one graph. Kept on the graph (not in a weak map
+# keyed by it: the traces hold the graph's tensors, which hold the graph) so
+# that it lives and dies with the trace.
+_TRACE_ATTRIBUTE = "keras_comm_fully_shard_traces"
 
 
 def _trace_state():
@@ -925,7 +926,11 @@ def _trace_state():
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
-    return _TRACES.setdefault(graph, {}).setdefault(threading.get_ident(), _Trace())
+    traces = getattr(graph, _TRACE_ATTRIBUTE, None)
+    if traces is None:
+        traces = {}
+        setattr(graph, _TRACE_ATTRIBUTE, traces)
+    return traces.setdefault(threading.get_ident(), _Trace())
 
 
 def _after(tensors, dependencies):
