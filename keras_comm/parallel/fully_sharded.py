@@ -21,6 +21,10 @@ exist only while the layer computes:
   hold the same shard otherwise (the other axes of a `Mesh`). No gradient is
   reduced twice.
 
+With `prefetch` (the default) each gather may start one wrapped layer
+early, to overlap the previous layer's compute: at most about two layers'
+full weights are gathered at once (`FullyShard._backward_gather`).
+
 The inner layer is built inside a `keras.StatelessScope`, so its own
 variables are never allocated: they give the shapes, dtypes, initializers and
 the checkpoint structure, nothing else. Non-trainable weights (BatchNorm's
