@@ -78,9 +78,10 @@ def _plain(strategy, model):
     return build_model(strategy, model), []
 
 
-def _zero3(strategy, model, seed=0):
+def _zero3(strategy, model, seed=0, prefetch=True):
     """Every Dense in `keras_comm.parallel.FullyShard` (ZeRO-3), built
-    directly: no replica ever allocates the whole model."""
+    directly: no replica ever allocates the whole model. `prefetch`: the
+    wrappers' gather one layer early (their default) or not."""
     import keras
 
     from keras_comm import parallel as P
@@ -90,8 +91,9 @@ def _zero3(strategy, model, seed=0):
     with strategy.scope():
         m = keras.Sequential(
             [keras.Input((features,))]
-            + [P.FullyShard(keras.layers.Dense(h, activation="relu")) for h in hidden]
-            + [P.FullyShard(keras.layers.Dense(outputs))]
+            + [P.FullyShard(keras.layers.Dense(h, activation="relu"), prefetch=prefetch)
+               for h in hidden]
+            + [P.FullyShard(keras.layers.Dense(outputs), prefetch=prefetch)]
         )
         m.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     return m, []
@@ -106,7 +108,7 @@ def bytes_per_step(config, spec, n):
     features, hidden, outputs = spec
     widths = [features, *hidden, outputs]
     sizes = [s for a, b in zip(widths, widths[1:]) for s in (a * b, b)]
-    if config == "zero3":
+    if config.startswith("zero3"):
         padded = sum(-(-s // n) * n for s in sizes) * 4
         return 3 * (n - 1) / n * padded
     return 2 * (n - 1) / n * sum(sizes) * 4
@@ -123,6 +125,7 @@ CONFIGS = {
     "zero1_acc2": _parallel_optimizer(zero_stage=1, accumulation_steps=2),
     "zero2_acc2": _parallel_optimizer(zero_stage=2, accumulation_steps=2),
     "zero3": _zero3,
+    "zero3_noprefetch": lambda strategy, model: _zero3(strategy, model, prefetch=False),
 }
 
 
@@ -258,7 +261,7 @@ def measure(config, model, steps, per_replica_batch):
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):
             result["state_bytes"] = cb.state_bytes(breakdown=True)
-    if config == "zero3":
+    if config.startswith("zero3"):
         from keras_comm import parallel as P
 
         # Weights + Adam's slots this replica holds (no callback: the optimizer's own).
@@ -335,6 +338,7 @@ LABELS = {
     "zero1_acc2": "ZeRO-1, accum. 2",
     "zero2_acc2": "ZeRO-2, accum. 2",
     "zero3": "ZeRO-3 (FullyShard)",
+    "zero3_noprefetch": "ZeRO-3, no prefetch",
 }
 
 

@@ -7,6 +7,7 @@ memory, checkpoints in the unwrapped layout, and the build-time errors.
 """
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -257,10 +258,96 @@ def test_state_is_one_over_n_and_gradients_leave_reduce_scattered():
     assert len(set(state.values())) == 1
 
 
+def _ancestors(op):
+    """The ids of the ops `op` depends on (data or control edges), itself included."""
+    seen, stack = set(), [op]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        stack += [t.op for t in cur.inputs] + list(cur.control_inputs)
+    return seen
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_gathers_one_layer_early_and_no_further(prefetch):
+    """In the traced step of three wrapped Dense layers (trace only, nothing
+    runs): with prefetch a layer's all-gather does not wait for the previous
+    wrapped layer's compute (its MatMuls) -- it may run while that layer
+    computes -- but waits for the compute before it (at most about two
+    layers' weights live), forward and backward; without prefetch each
+    gather waits for its predecessor's compute. (keras_comm's collectives on
+    one device run in program order either way: its ordering token.)"""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        plain = keras.Sequential([keras.Input((5,))] + [keras.layers.Dense(k) for k in (7, 6, 3)])
+        model = P.fully_shard(plain, prefetch=prefetch)
+    x = tf.constant(cases.data("mlp", 4)[0])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return tape.gradient(loss, model.trainable_weights)
+
+    graph = tf.function(lambda: strategy.run(step)).get_concrete_function().graph
+    ops = [op for op in graph.get_operations() if op.device.endswith("CPU:0")]
+    per_layer = []  # [forward gather, backward gather] per layer, forward order
+    for layer in model.layers:
+        pattern = re.compile(rf"(.*/)?{layer.name}_gather_all_gather(_[0-9]+)?")
+        per_layer.append([op for op in ops if op.type == "CollectiveGatherV2" and pattern.fullmatch(op.name)])
+    assert [len(g) for g in per_layer] == [2, 2, 2], per_layer
+    chains = ([g[0] for g in per_layer], [g[1] for g in per_layer][::-1])
+    up = {id(op): _ancestors(op) for chain in chains for op in chain}
+    matmuls = [(op, _ancestors(op)) for op in ops if op.type == "MatMul"]
+
+    def compute(chain, p, exclude=()):
+        """The MatMuls that use gather p's weights: they wait for it, and
+        not for a later gather of the chain (whose layers' compute that is)."""
+        later = [id(op) for op in list(chain[p + 1 :]) + list(exclude)]
+        return [op for op, anc in matmuls if id(chain[p]) in anc and not any(q in anc for q in later)]
+
+    for chain, exclude in ((chains[0], chains[1]), (chains[1], ())):
+        c = [compute(chain, p, exclude) for p in range(3)]
+        assert all(c), c
+
+        def waits(gather, ops_):
+            return any(id(op) in up[id(gather)] for op in ops_)
+
+        assert waits(chain[1], c[0]) is not prefetch
+        assert waits(chain[2], c[1]) is not prefetch
+        assert waits(chain[2], c[0])  # never more than one layer early
+    with pytest.raises(TypeError, match="Received: prefetch="):
+        P.FullyShard(keras.layers.Dense(2), prefetch="yes")
+
+
+def _check_traced_bytes(capture):
+    """The collectives in fit's traced step of the 2-replica mlp, counted
+    from its graph (benchmarks/collective_bytes.py): per replica, two
+    all-gathers of its shards (forward, backward recompute) and one
+    reduce-scatter of the padded full gradient per layer, and no all-reduce
+    of a gradient (only the loss and metric scalars): 3 (N-1)/N S sent by
+    a ring, S padded."""
+    from benchmarks import collective_bytes
+
+    counts = collective_bytes.count(capture.functions, 2)
+    # Shards per replica: d1 18 + 4, ln 4 + 4, d2 11 + 2 elements (float32).
+    shard_bytes = [22 * 4, 8 * 4, 13 * 4]
+    assert sorted(counts["all_gather"]["sizes"]) == sorted(shard_bytes * 2), counts
+    assert sorted(counts["reduce_scatter"]["sizes"]) == sorted(2 * b for b in shard_bytes), counts
+    assert max(counts["all_reduce"]["sizes"]) <= 16, counts  # scalars: no gradient all-reduce
+    padded = 2 * sum(shard_bytes)
+    sent = counts["all_gather"]["sent"] + counts["reduce_scatter"]["sent"]
+    assert sent == 3 * (2 - 1) / 2 * padded
+
+
 @pytest.mark.inprocess
 def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     """Files hold every weight and Adam slot full-size in the unwrapped
     layer's structure (below the wrapper's entry); any group size loads them.
+    The fit's traced step also has its collectives counted
+    (`_check_traced_bytes`): one fit pays for both.
 
     fully_shard's wrappers write the unwrapped model's entry names ("dense",
     not Keras's "fully_shard"), so the unwrapped model loads the file: see
@@ -273,7 +360,11 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     with strategy.scope():
         model = P.fully_shard(ref)
         model.compile(keras.optimizers.Adam(0.01), "mse")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    from benchmarks import collective_bytes
+
+    capture = collective_bytes.CaptureStep()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[capture])
+    _check_traced_bytes(capture)
     trained = P.full_weights(model)
     model.save_weights(str(tmp_path / "fs.weights.h5"))
     model.save(str(tmp_path / "fs.keras"))
@@ -301,6 +392,84 @@ def test_checkpoints_are_full_size_and_load_on_another_size(tmp_path):
     assert len(slots4) == len(slots)
     for a, b in zip(slots, slots4):  # Adam's moments survive 2 -> 4 exactly
         np.testing.assert_array_equal(a, b)
+
+
+def _hand_placed(wrap):
+    """Sequential(Dense, LayerNormalization, Functional(Dense, Dense)) with
+    `wrap` applied to the Dense layers and the LayerNormalization."""
+    inner_in = keras.Input((7,))
+    h = wrap(keras.layers.Dense(4, name="fa"))(inner_in)
+    block = keras.Model(inner_in, wrap(keras.layers.Dense(3, name="fb"))(h))
+    return keras.Sequential(
+        [keras.Input((5,)), wrap(keras.layers.Dense(7)), wrap(keras.layers.LayerNormalization()), block]
+    )
+
+
+def test_hand_placed_wrappers_share_files_with_the_unwrapped_model(tmp_path):
+    """Keras names a layer list's entries by class ("fully_shard_1"), so a
+    hand-built wrapped model's files do not fit the unwrapped model (Keras
+    refuses them) until `set_checkpoint_names` gives each wrapper its inner
+    layer's entry; then each loads the other's files, nested Functional
+    blocks included. One process: the naming is the same on any cluster."""
+    keras.utils.set_random_seed(2)
+    plain = _hand_placed(lambda layer: layer)
+    expected = [w + 0.5 for w in plain.get_weights()]  # not the initial values
+    plain.set_weights(expected)
+    wrapped = _hand_placed(P.FullyShard)
+    P.set_full_weights(wrapped, expected)
+    wrapped.save_weights(str(tmp_path / "default.weights.h5"))
+    with pytest.raises(ValueError, match="could not be loaded"):
+        _hand_placed(lambda layer: layer).load_weights(str(tmp_path / "default.weights.h5"))
+
+    assert P.set_checkpoint_names(wrapped) is wrapped
+    wrapped.save_weights(str(tmp_path / "named.weights.h5"))
+    wrapped.save(str(tmp_path / "named.keras"))
+    for name in ("named.weights.h5", "named.keras"):
+        other = _hand_placed(lambda layer: layer)
+        other.load_weights(str(tmp_path / name))
+        for got, want in zip(other.get_weights(), expected):
+            np.testing.assert_array_equal(got, want)
+    # And back: a named wrapped model loads the unwrapped model's file.
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    back = P.set_checkpoint_names(_hand_placed(P.FullyShard))
+    back.load_weights(str(tmp_path / "plain.weights.h5"))
+    for got, want in zip(P.full_weights(back), expected):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="Received: model="):
+        P.set_checkpoint_names(keras.layers.Dense(2))
+
+
+class _Attributes(keras.Model):
+    def __init__(self, wrap, **kwargs):
+        super().__init__(**kwargs)
+        self.first = wrap(keras.layers.Dense(3), "dense")
+        self.second = wrap(keras.layers.Dense(2), "dense_1")
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+
+def test_subclassed_model_entries_follow_keras_walk(tmp_path):
+    """Keras saves a subclassed model's layer under its attribute when the
+    name sorts before "layers" ("first"), else in the `layers` list by
+    class ("layers/dense_1"). A hand-given checkpoint_name applies to list
+    entries only, so giving both wrappers their unwrapped list names is
+    right whichever way Keras walks; set_checkpoint_names leaves a
+    subclassed model's names alone (it cannot see the attribute order)."""
+    keras.utils.set_random_seed(3)
+    plain = _Attributes(lambda layer, name: layer)
+    plain(np.zeros((1, 4), "float32"))
+    wrapped = _Attributes(lambda layer, name: P.FullyShard(layer, checkpoint_name=name))
+    wrapped(np.zeros((1, 4), "float32"))
+    P.set_full_weights(wrapped, plain.get_weights())
+    P.set_checkpoint_names(wrapped)
+    assert [w.checkpoint_name for w in (wrapped.first, wrapped.second)] == ["dense", "dense_1"]
+    wrapped.save_weights(str(tmp_path / "w.weights.h5"))
+    other = _Attributes(lambda layer, name: layer)
+    other(np.zeros((1, 4), "float32"))
+    other.load_weights(str(tmp_path / "w.weights.h5"))
+    for got, want in zip(other.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_config_round_trips():

@@ -34,6 +34,7 @@ from keras_comm.parallel.fully_sharded import full_weights  # noqa: F811
 from keras_comm.parallel.fully_sharded import fully_shard
 from keras_comm.parallel.fully_sharded import replica_state_bytes
 from keras_comm.parallel.fully_sharded import set_full_weights  # noqa: F811
+from keras_comm.parallel.fully_sharded import set_checkpoint_names
 
 __all__ = [
     "ColumnParallelDense",
@@ -61,4 +62,5 @@ __all__ = [
     "FullyShard",
     "fully_shard",
     "replica_state_bytes",
+    "set_checkpoint_names",
 ]

@@ -21,6 +21,10 @@ exist only while the layer computes:
   hold the same shard otherwise (the other axes of a `Mesh`). No gradient is
   reduced twice.
 
+With `prefetch` (the default) each gather may start one wrapped layer
+early, to overlap the previous layer's compute: at most about two layers'
+full weights are gathered at once (`FullyShard._backward_gather`).
+
 The inner layer is built inside a `keras.StatelessScope`, so its own
 variables are never allocated: they give the shapes, dtypes, initializers and
 the checkpoint structure, nothing else. Non-trainable weights (BatchNorm's
@@ -54,6 +58,7 @@ Optimizer slots are written full-size in the unwrapped weight's shape
 import enum
 import inspect
 import re
+import threading
 import types
 import zlib
 
@@ -172,8 +177,18 @@ class FullyShard(_common.ParallelLayer):
             name the unwrapped model's file uses for the inner layer
             ("dense_1"): then this layer writes and reads that entry, and
             the unwrapped model and this one load each other's files.
-            `fully_shard` sets it. A file without that entry is read from
-            the wrapper's own entry (files written without it).
+            `fully_shard` and `set_checkpoint_names` set it. It applies
+            where Keras lists the wrapper by class (a layer list); a
+            wrapper saved under an attribute's name keeps that name. A
+            file without that entry is read from the wrapper's own entry
+            (files written without it).
+        prefetch: True (default): the layer's all-gather may start one
+            wrapped layer early -- forward, once the previous wrapped
+            layer's input exists; backward, once the upstream gradient of
+            the layer after it exists -- so it can overlap that layer's
+            compute; at most about two layers' full weights are live.
+            False: each gather waits for its own layer's input (forward)
+            or upstream gradient (backward).
 
     Input shape / Output shape: those of `layer`.
 
@@ -209,6 +224,7 @@ class FullyShard(_common.ParallelLayer):
         seed=None,
         timeout=None,
         checkpoint_name=None,
+        prefetch=True,
         **kwargs,
     ):
         if isinstance(layer, dict):
@@ -243,6 +259,11 @@ class FullyShard(_common.ParallelLayer):
                 f"Received: checkpoint_name={checkpoint_name!r}"
             )
         self.checkpoint_name = checkpoint_name
+        if not isinstance(prefetch, bool):
+            raise TypeError(
+                f"FullyShard: `prefetch` must be True or False. Received: prefetch={prefetch!r}"
+            )
+        self.prefetch = prefetch
         initial = None
         if layer.built:
             initial = [np.asarray(keras.ops.convert_to_numpy(w)) for w in layer.weights]
@@ -460,6 +481,37 @@ class FullyShard(_common.ParallelLayer):
                 full[i] = tf.reshape(tf.reshape(c, [-1])[: spec.size], spec.full_shape)
         return full
 
+    def _backward_gather(self, shards, upstream, position):
+        """The backward's full weights, and with `prefetch` the all-gather
+        for the wrapped layer traced before this one in the forward (whose
+        backward comes next), issued now so that it can run during this
+        layer's recompute and gradient.
+
+        keras_comm's collectives on a device run in program order (their
+        ordering token), and this layer's reduce-scatter is traced before
+        the next backward: a gather traced in the next backward would wait
+        for it, and so for this layer's whole backward. Each prefetch waits
+        for this layer's upstream gradient, so at most two layers' full
+        weights are gathered at once.
+        """
+        trace = _trace_state()
+        if trace is None or position is None:
+            return self._gather(_after(shards, upstream))
+        trace.done.add(position)
+        full = trace.prefetched.pop(position, None)
+        if full is None:
+            full = self._gather(_after(shards, upstream))
+        previous = position - 1
+        if (
+            self.prefetch
+            and previous >= 0
+            and previous not in trace.done
+            and previous not in trace.prefetched
+        ):
+            layer, layer_shards = trace.chain[previous]
+            trace.prefetched[previous] = layer._gather(_after(layer_shards, upstream))
+        return full
+
     def _pack_gradients(self, grads, index, dtype, n):
         """Member-major packed buffer of full-size gradients (padded)."""
         parts = []
@@ -620,7 +672,16 @@ class FullyShard(_common.ParallelLayer):
             # as soon as its inputs are ready, so every layer's gather (which
             # depends on nothing but its shards) would otherwise run at the
             # step's start and hold the whole model's weights at once.
-            s = _after(s, list(d) + [x for j, x in enumerate(inputs) if j not in diff_at])
+            own = list(d) + [x for j, x in enumerate(inputs) if j not in diff_at]
+            trace = _trace_state()
+            gate = own
+            if trace is not None:
+                if self.prefetch and trace.forward_gate is not None:
+                    gate = trace.forward_gate  # one layer early: the previous input
+                trace.forward_gate = own
+                meta["position"] = len(trace.chain)
+                trace.chain.append((self, list(s)))
+            s = _after(s, gate)
             flat_y, new_nt, losses, y = self._run(self._gather(s), nt, rebuild(d), structure, extra)
             meta.update(y=y, ny=len(flat_y), nl=len(losses))
             return flat_y + new_nt + losses
@@ -629,7 +690,8 @@ class FullyShard(_common.ParallelLayer):
             s, nt, d = xs[:ns], xs[ns : ns + nn], xs[ns + nn :]
             ny = meta["ny"]
             # Again (the forward kept nothing), once the upstream gradient exists.
-            full = self._gather(_after(s, [u for u in dys if u is not None]))
+            own = [u for u in dys if u is not None]
+            full = self._backward_gather(s, own, meta.get("position"))
             # Distinct tensors: an input passed twice (attention(h, h)) must
             # get each position's own gradient, not the total twice.
             d = [tf.identity(x) for x in d]
@@ -693,16 +755,23 @@ class FullyShard(_common.ParallelLayer):
 
     def _entry_path(self, path):
         """The unwrapped model's entry for this layer: `path`'s last part
-        replaced by `checkpoint_name`."""
-        parent = path.rpartition("/")[0]
+        replaced by `checkpoint_name` when `path` is an entry of a layer
+        list (Keras's class-based "fully_shard_1"); None otherwise (a layer
+        saved under an attribute's name, which the unwrapped model shares)."""
+        if self.checkpoint_name is None:
+            return None
+        parent, _, last = path.rpartition("/")
+        if not _LIST_ENTRY.fullmatch(last):
+            return None
         return f"{parent}/{self.checkpoint_name}" if parent else self.checkpoint_name
 
     def save_own_variables(self, store):
         inner = self._hidden.layer
         values = self.full_weights()
         path = keras_api.weights_store_path(store)
-        if self.checkpoint_name is not None:
-            path = self._entry_path(path)
+        entry = self._entry_path(path)
+        if entry is not None:
+            path = entry
             # Repositions the store, as Keras's own walk does per layer.
             store.make(path, metadata={"name": inner.name})
         with keras.StatelessScope(
@@ -714,8 +783,9 @@ class FullyShard(_common.ParallelLayer):
     def load_own_variables(self, store):
         inner = self._hidden.layer
         path = keras_api.weights_store_path(store)
-        if self.checkpoint_name is not None and _store_has(store, self._entry_path(path)):
-            path = self._entry_path(path)
+        entry = self._entry_path(path)
+        if entry is not None and _store_has(store, entry):
+            path = entry
             store.get(path)
         with keras.StatelessScope(initialize_variables=False) as scope:
             inner.load_own_variables(store)
@@ -742,8 +812,14 @@ class FullyShard(_common.ParallelLayer):
             accumulation=self.accumulation.value,
             accumulation_steps=self.accumulation_steps,
             checkpoint_name=self.checkpoint_name,
+            prefetch=self.prefetch,
         )
         return config
+
+
+# Keras's name for a FullyShard in a layer list: its class in snake case,
+# numbered per class (keras.src.saving.saving_lib._save_container_state).
+_LIST_ENTRY = re.compile(r"fully_shard(_[0-9]+)?")
 
 
 def _store_has(store, path):
@@ -761,12 +837,62 @@ def _snake_case(name):
     return name
 
 
+def _is_layer_list_model(model):
+    """Sequential or Functional (subclasses too): Keras saves their `layers`
+    as one list, each entry named after its class (public names only: the
+    type's MRO, as Keras's `_obj_type`)."""
+    return isinstance(model, keras.Model) and any(
+        c.__name__ in ("Sequential", "Functional") for c in type(model).__mro__
+    )
+
+
+def set_checkpoint_names(model):
+    """Names every `FullyShard`'s file entry as the unwrapped model's.
+
+    Keras names the entries of a Sequential/Functional model's layer list
+    after each layer's class, numbered per class in list order ("dense",
+    "dense_1", ...; never the layer's `name`, which differs between two
+    instances of one model). A wrapper is listed under its own class
+    ("fully_shard", "fully_shard_1"), so a model with hand-placed wrappers
+    writes files the unwrapped model cannot load (Keras raises: its layers
+    find no entry) and cannot load the unwrapped model's. This gives each
+    wrapper, as its `checkpoint_name`, the entry its inner layer has in the
+    unwrapped model; afterwards each model loads the other's `.keras` /
+    `.weights.h5` files. `fully_shard` calls it on its copy.
+
+    Nested Sequential/Functional models are entered. Layers a subclassed
+    model tracks as attributes are saved under the attribute's name, which
+    the unwrapped model shares, so they need (and get) no name.
+
+    Args:
+        model: a Keras model holding `FullyShard` layers.
+
+    Returns:
+        `model`.
+
+    Raises:
+        TypeError: `model` is not a Keras model.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"set_checkpoint_names takes a Keras model. Received: model={model!r}"
+        )
+    _set_checkpoint_names(model)
+    return model
+
+
 def _set_checkpoint_names(model):
-    """Gives every FullyShard of `model` (a fully_shard copy) the entry name
-    Keras's saving gives its inner layer in the unwrapped model: the snake
-    case of the class, made unique per container in the order of `layers`."""
+    """Gives every FullyShard in `model`'s layer list (Sequential and
+    Functional) the entry name Keras's saving gives its inner layer in the
+    unwrapped model: the snake case of the class, made unique per container
+    in the order of `layers`."""
+    listed = _is_layer_list_model(model)
     used = {}
     for layer in getattr(model, "layers", []):
+        if isinstance(layer, keras.Model):
+            _set_checkpoint_names(layer)
+        if not listed:
+            continue
         unwrapped = layer.inner_layer() if isinstance(layer, FullyShard) else layer
         base = _snake_case(type(unwrapped).__name__)
         if base in used:
@@ -777,8 +903,38 @@ def _set_checkpoint_names(model):
             name = base
         if isinstance(layer, FullyShard):
             layer.checkpoint_name = name
-        elif isinstance(layer, keras.Model):
-            _set_checkpoint_names(layer)
+
+
+class _Trace:
+    """What the wrapped layers traced so far into one graph, by one thread,
+    share for prefetching: the last forward's gate, the forward order of
+    the layers with their shard tensors, the backwards traced, and the
+    gathers issued ahead ({forward position: full weights})."""
+
+    def __init__(self):
+        self.forward_gate = None
+        self.chain = []
+        self.done = set()
+        self.prefetched = {}
+
+
+# The graph's own attribute, {thread id: _Trace}: in-process replicas trace
+# each in its own thread into one graph. Kept on the graph (not in a weak map
+# keyed by it: the traces hold the graph's tensors, which hold the graph) so
+# that it lives and dies with the trace.
+_TRACE_ATTRIBUTE = "keras_comm_fully_shard_traces"
+
+
+def _trace_state():
+    """The current graph's and thread's `_Trace`; None when eager."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    traces = getattr(graph, _TRACE_ATTRIBUTE, None)
+    if traces is None:
+        traces = {}
+        setattr(graph, _TRACE_ATTRIBUTE, traces)
+    return traces.setdefault(threading.get_ident(), _Trace())
 
 
 def _after(tensors, dependencies):
@@ -884,7 +1040,10 @@ def _has_weights(layer):
     return isinstance(layer, keras.layers.Layer) and bool(layer.weights)
 
 
-def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulation_steps=1, seed=None):
+def fully_shard(
+    model, mesh=None, axis="data", accumulation="sharded", accumulation_steps=1, seed=None,
+    prefetch=True,
+):
     """A copy of a built Sequential/Functional model with every weighted layer
     wrapped in `FullyShard` (nested Sequential/Functional models are
     entered, other layers with weights wrapped whole).
@@ -894,7 +1053,8 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
 
     Args:
         model: a built `keras.Sequential` or Functional model.
-        mesh, axis, accumulation, accumulation_steps, seed: as for `FullyShard`.
+        mesh, axis, accumulation, accumulation_steps, seed, prefetch: as
+            for `FullyShard`.
 
     Returns:
         The copy (same layer names and weight order as `model`).
@@ -917,6 +1077,7 @@ def fully_shard(model, mesh=None, axis="data", accumulation="sharded", accumulat
                 accumulation=accumulation,
                 accumulation_steps=accumulation_steps,
                 seed=seed,
+                prefetch=prefetch,
             )
         if not isinstance(layer, keras.layers.Layer):
             return layer
