@@ -194,10 +194,16 @@ def test_mirror_mini_step_accumulates(strategy, mode, mean_flag):
         assert int(s.numpy()) == 2 * k
 
 
-@pytest.mark.inprocess
-def test_mirror_mini_step_subgroup_and_non_members(mode):
+SUBGROUP, SUBGROUP_K = [1, 3], 2
+
+
+def _subgroup_stepper(mode, op, loss):
+    """t -> per-replica d loss(op(x, acc, step, k, group), r, t) / dx on 4 replicas.
+
+    x = [1, 2, 3] (r + 1) + t; the mini-step group is `SUBGROUP` with
+    k = `SUBGROUP_K`, replicas outside it are non-members.
+    """
     strategy = make_strategy(4)
-    group, k = [1, 3], 2
     acc = _per_replica(strategy, [3])
     step = _per_replica(strategy, [], tf.int64)
 
@@ -206,10 +212,20 @@ def test_mirror_mini_step_subgroup_and_non_members(mode):
         x = tf.constant([1.0, 2.0, 3.0], tf.float64) * tf.cast(r + 1, tf.float64) + t
         with tf.GradientTape() as tape:
             tape.watch(x)
-            loss = _micro_loss(ops.mirror_mini_step_operator(x, acc, step, k, False, group), r, t)
-        return tape.gradient(loss, x)
+            value = loss(op(x, acc, step, SUBGROUP_K, SUBGROUP), r, t)
+        return tape.gradient(value, x)
 
-    run = _stepper(strategy, fn, mode)
+    return _stepper(strategy, fn, mode)
+
+
+@pytest.mark.inprocess
+def test_mirror_mini_step_subgroup_and_non_members(mode):
+    group = SUBGROUP
+    run = _subgroup_stepper(
+        mode,
+        lambda x, acc, step, k, group: ops.mirror_mini_step_operator(x, acc, step, k, False, group),
+        _micro_loss,
+    )
     run(0)
     got = run(1)
     for r in range(4):

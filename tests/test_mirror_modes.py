@@ -21,6 +21,8 @@ from test_mirror import _input
 from test_mirror import _micro_input
 from test_mirror import _per_replica
 from test_mirror import _stepper
+from test_mirror import _subgroup_stepper
+from test_mirror import SUBGROUP
 
 
 def _mini_want(n, k, t_last, r, mean):
@@ -149,21 +151,14 @@ def test_mini_step_shard_accumulator_single_step_is_all_gather(strategy, mode, m
 
 @pytest.mark.inprocess
 def test_mini_step_shard_accumulator_subgroup(mode):
-    strategy = make_strategy(4)
-    group, k = [1, 3], 2
-    acc = _per_replica(strategy, [3])
-    step = _per_replica(strategy, [], tf.int64)
-
-    def fn(t):
-        r = keras_comm.rank()
-        x = tf.constant([1.0, 2.0, 3.0], tf.float64) * tf.cast(r + 1, tf.float64) + t
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = ops.mini_step_all_gather(x, acc, step, k, False, group, shard_accumulator=True)
-            loss = tf.reduce_sum(y * tf.cast(r + 1, tf.float64) * (t + 1))
-        return tape.gradient(loss, x)
-
-    run = _stepper(strategy, fn, mode)
+    group = SUBGROUP
+    run = _subgroup_stepper(
+        mode,
+        lambda x, acc, step, k, group: ops.mini_step_all_gather(
+            x, acc, step, k, False, group, shard_accumulator=True
+        ),
+        lambda y, r, t: tf.reduce_sum(y * tf.cast(r + 1, tf.float64) * (t + 1)),
+    )
     g0, g1 = run(0), run(1)
     for r in range(4):
         if r in group:

@@ -21,7 +21,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import tensorflow as tf
 
 from _cluster import write_result
@@ -31,7 +30,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
-from _shared import InterruptAt  # noqa: E402
+from _shared import InterruptAt, resume_dataset  # noqa: E402
 
 N = strategy.num_replicas_in_sync
 RANK = int(strategy.cluster_resolver.task_id)
@@ -49,14 +48,7 @@ def build():
 
 
 def dataset():
-    rng = np.random.default_rng(0)
-    n = 2 * N * STEPS
-    x = rng.normal(size=(n, 5)).astype("float32")
-    y = rng.normal(size=(n, 3)).astype("float32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * N)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options)
+    return resume_dataset(2 * N, STEPS)
 
 
 def barrier():

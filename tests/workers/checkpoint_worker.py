@@ -28,6 +28,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _shared import resume_dataset  # noqa: E402
 
 N = strategy.num_replicas_in_sync
 RANK = int(strategy.cluster_resolver.task_id)
@@ -52,14 +53,7 @@ def optimizer_values(model):
     ]
 
 def dataset():
-    rng = np.random.default_rng(0)
-    n = GLOBAL_BATCH * STEPS
-    x = rng.normal(size=(n, 5)).astype("float32")
-    y = rng.normal(size=(n, 3)).astype("float32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options)
+    return resume_dataset(GLOBAL_BATCH, STEPS)
 
 
 def build():

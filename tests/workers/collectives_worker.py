@@ -1,7 +1,7 @@
 """Multi-process check of the core collectives against a float64 simulation.
 
 Run by tests/test_collectives_multiprocess.py through `run_cluster` (one
-replica per worker process). Every worker knows every rank's input (a
+replica per worker process), in one launch with mirror_worker (ops_worker.py). Every worker knows every rank's input (a
 deterministic function of the rank), so it computes the whole single-process
 simulation locally and compares its own forward value and gradient with it.
 Writes, per "<mode>/<case>", the max absolute error of the forward value and
@@ -12,11 +12,11 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
+from _ops_strategy import strategy
 
 import keras_comm
 from keras_comm import ops as K
 
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
 N = strategy.num_replicas_in_sync
 SUB = [0, N - 1]  # a subgroup; with 3 workers rank 1 is outside it
 ROOT = N - 1
@@ -237,7 +237,8 @@ def sparse_check(mode):
     return float(np.max(np.abs(got - want)))
 
 
-def main():
+def results():
+    """{"world_size": N, "errors": {"<mode>/<case>": {"forward", "gradient"}}}."""
     r = strategy.cluster_resolver.task_id
     wanted = {name: simulate(ref_fn, zeros)[r] for name, (_, ref_fn, zeros, _) in CASES.items()}
     errors = {}
@@ -256,9 +257,9 @@ def main():
                 "gradient": float(np.max(np.abs(g - g_ref))) if finite else float("inf"),
             }
         errors[f"{mode}/all_reduce_sparse"] = {"forward": sparse_check(mode), "gradient": 0.0}
-    write_result({"world_size": N, "errors": errors})
+    return {"world_size": N, "errors": errors}
 
 
 if __name__ == "__main__":
-    main()
+    write_result(results())
     finish()  # _cluster.finish: skip the slow teardown

@@ -12,8 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _ops_strategy import strategy
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
 from keras_comm import ops  # noqa: E402
@@ -353,7 +352,8 @@ def stateful_cases(mode):
     return out
 
 
-def main():
+def results():
+    """{"rank", "world", "errors": {"<op>/<mode>": max error}, "max_error", "passed"}."""
     results = {"rank": ME, "world": N, "errors": {}}
     for mode in ("function", "eager"):
         for name, (fn, reference) in stateless_cases().items():
@@ -365,8 +365,9 @@ def main():
             results["errors"][f"{name}/{mode}"] = float(err)
     results["max_error"] = max(results["errors"].values())
     results["passed"] = results["max_error"] < 1e-9
-    write_result(results)
+    return results
 
 
-main()
-finish()  # _cluster.finish: skip the slow teardown
+if __name__ == "__main__":
+    write_result(results())
+    finish()  # _cluster.finish: skip the slow teardown

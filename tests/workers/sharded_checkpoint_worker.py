@@ -30,7 +30,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
-from _shared import InterruptAt, rel  # noqa: E402
+from _shared import InterruptAt, rel, resume_dataset  # noqa: E402
 from keras_comm import parallel as P  # noqa: E402
 
 N = strategy.num_replicas_in_sync
@@ -80,17 +80,10 @@ def build(config):
 
 
 def dataset(config):
-    rng = np.random.default_rng(0)
-    n = 2 * N * STEPS
     if config.startswith("tp"):
-        x = rng.normal(size=(n, 5)).astype("float32")
-    else:
-        x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
-    y = rng.normal(size=(n, 3)).astype("float32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * N)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options)
+        return resume_dataset(2 * N, STEPS)
+    tokens = lambda rng, n: rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")  # noqa: E731
+    return resume_dataset(2 * N, STEPS, tokens)
 
 
 def callbacks(config, backup_dir=None):
