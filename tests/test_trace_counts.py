@@ -1,5 +1,12 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
+Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
+of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
+`next` on a distributed iterator runs its end-of-data all-reduce through a
+`multiprocessing.pool.ThreadPool` TensorFlow creates per call), and no
+iterator a step ran on is destroyed on the host thread (its destructor
+joins tf.data's threads and blocked the first step of every later epoch).
+
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).
 
@@ -13,11 +20,16 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
+import threading
+import time
+import weakref
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.data.ops import dataset_ops
+from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -38,12 +50,36 @@ class _TraceLog(keras.callbacks.Callback):
         super().__init__()
         self.epoch = "before fit"
         self.traces = collections.defaultdict(list)
+        # Per epoch: batches pulled eagerly from a distributed iterator, and
+        # for each iterator a step ran on and that was destroyed, the thread
+        # that destroyed it.
+        self.eager_nexts = collections.Counter()
+        self.destroyed_on = collections.defaultdict(list)
+        self._used = set()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+
     def record(self, name):
         self.traces[self.epoch].append(name)
+
+    def on_train_begin(self, logs=None):
+        train_function = self.model.train_function
+
+        def recording(iterator):
+            self._used.add(id(iterator))
+            return train_function(iterator)
+
+        self.model.train_function = recording
+
+    def track(self, iterator):
+        weakref.finalize(iterator, self._destroyed, id(iterator))
+
+    def _destroyed(self, key):
+        if key in self._used:
+            self._used.discard(key)
+            self.destroyed_on[self.epoch].append(threading.current_thread().name)
 
 
 class _TracesEveryEpoch(keras.callbacks.Callback):
@@ -61,6 +97,32 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return original(name, python_func, *args, **kwargs)
 
     monkeypatch.setattr(func_graph, "func_graph_from_py_func", recording)
+    original_iter = input_lib.DistributedDataset.__iter__
+
+    def tracked_iter(self):
+        iterator = original_iter(self)
+        log.track(iterator)
+        return iterator
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", tracked_iter)
+    # One process: Keras iterates the dataset itself.
+    original_dataset_iter = dataset_ops.DatasetV2.__iter__
+
+    def tracked_dataset_iter(self):
+        iterator = original_dataset_iter(self)
+        log.track(iterator)
+        return iterator
+
+    monkeypatch.setattr(dataset_ops.DatasetV2, "__iter__", tracked_dataset_iter)
+    for method in ("get_next", "get_next_as_optional"):
+        original_method = getattr(input_lib.DistributedIterator, method)
+
+        def counted(self, *args, _original=original_method, **kwargs):
+            if tf.executing_eagerly():
+                log.eager_nexts[log.epoch] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(input_lib.DistributedIterator, method, counted)
     rng = np.random.default_rng(0)
     # 100 samples in batches of 16: 6 full batches and a partial one, so the
     # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
@@ -83,10 +145,11 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         verbose=0,
         callbacks=[log, *extra_callbacks],
     )
-    return log.traces
+    return log
 
 
-def _check(traces, step="one_step_on_data"):
+def _check(log, step="one_step_on_data"):
+    traces = log.traces
     # `step`: the compiled step's name (upstream Keras's outside MWMS,
     # keras_comm's `training.step` under it).
     first = traces[0]
@@ -100,23 +163,44 @@ def _check(traces, step="one_step_on_data"):
 
 
 def test_no_retrace_after_first_epoch_single_process(monkeypatch):
-    _check(_fit_logging_traces(monkeypatch, tf.distribute.get_strategy()))
+    log = _fit_logging_traces(monkeypatch, tf.distribute.get_strategy())
+    _check(log)
+    _check_released(log)
 
 
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
-    _check(
-        _fit_logging_traces(monkeypatch, make_strategy(num_replicas)),
-        step="one_step_on_data",
-    )
+    log = _fit_logging_traces(monkeypatch, make_strategy(num_replicas))
+    # keras_comm's step takes the batch as a `tf.experimental.Optional`
+    # pulled by a compiled `next_optional`.
+    _check(log, step="one_step_on_optional")
+    # The data path, counted (issue 18): no batch pulled eagerly (on real
+    # workers each eager pull all-reduces "has data" through a new
+    # ThreadPool: 7 train + 7 validation pulls per epoch here before), and
+    # each epoch's train iterator released off the host thread.
+    assert dict(log.eager_nexts) == {}, dict(log.eager_nexts)
+    _check_released(log)
+
+
+def _check_released(log):
+    destroyed = lambda: [n for names in log.destroyed_on.values() for n in names]  # noqa: E731
+    # The release runs beside the next epoch: wait for the last hand-over.
+    # (Each destructor may take seconds on a loaded host: that is the stall.)
+    deadline = time.monotonic() + 120
+    while len(destroyed()) < EPOCHS - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Every epoch but the last has handed over its train iterator (the
+    # validation iterators are upstream Keras's and are not counted).
+    assert len(destroyed()) >= EPOCHS - 1, dict(log.destroyed_on)
+    assert threading.main_thread().name not in destroyed(), dict(log.destroyed_on)
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
-    traces = _fit_logging_traces(
+    log = _fit_logging_traces(
         monkeypatch, tf.distribute.get_strategy(), [_TracesEveryEpoch()]
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
-        _check(traces)
+        _check(log)
 
 
 def test_end_of_data_call_runs_nothing_of_the_step():

@@ -19,6 +19,10 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
+import functools
+import queue
+import threading
+
 import tensorflow as tf
 
 from keras_comm import errors
@@ -100,7 +104,8 @@ def make_function(model, replica_step):
     """
     strategy = model.distribute_strategy
     if not is_mwms(strategy):
-        return keras_api.trainer_method("_make_function")(model, replica_step)
+        upstream = keras_api.trainer_method("_make_function")(model, replica_step)
+        return _releasing_previous_iterator(upstream)
 
     def step_on_replica(data):
         return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
@@ -114,28 +119,54 @@ def make_function(model, replica_step):
             watchdog.restart()  # tracing ends here: the step's clock starts
         return outputs
 
-    if not model.run_eagerly:
+    if not model.run_eagerly and model.jit_compile:
         one_step_on_data = tf.function(
-            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
+            one_step_on_data, reduce_retracing=True, jit_compile=True
         )
     one_step_on_data = keras_api.autoconvert_optionals(model, one_step_on_data)
+
+    # The batch is pulled in a compiled function, not by `next(iterator)` on
+    # the host: an eager `next` on a distributed iterator runs its
+    # end-of-data agreement (a scalar all-reduce of "has a value") as an
+    # eager collective, through a `ThreadPool` TensorFlow creates and drops
+    # at every call, and the eager ops of `get_next_as_optional` one by one
+    # (issue 18). Compiled, the same agreement is one graph collective. The
+    # host reads only whether any worker had data, so a call at the end of
+    # data runs nothing of the step.
+    @tf.autograph.experimental.do_not_convert
+    def next_optional(iterator):
+        optional = iterator.get_next_as_optional()
+        if not model.run_eagerly:
+            watchdog.restart()
+        return optional
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_optional(optional):
+        return one_step_on_data(optional.get_value())
+
+    if not model.run_eagerly:
+        next_optional = tf.function(next_optional)
+        one_step_on_optional = tf.function(one_step_on_optional, reduce_retracing=True)
 
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
 
+    @_releasing_previous_iterator
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
             with errors.collective_errors(), watchdog.guard(site):
+                # Under MWMS the distributed iterator agrees across workers
+                # on the end of data: a worker with no samples left gets an
+                # empty batch until every worker is out, so all run the
+                # same steps, and all see "no value" on the same call.
                 try:
-                    # Under MWMS the distributed iterator agrees across workers
-                    # on the end of data: a worker with no samples left gets an
-                    # empty batch until every worker is out, so all run the
-                    # same steps.
-                    data = next(iterator)
+                    optional = next_optional(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
                     break
-                outputs = one_step_on_data(data)
+                if not optional.has_value():
+                    break
+                outputs = one_step_on_optional(optional)
         if outputs is None:
             raise StopIteration
         return outputs
@@ -210,6 +241,68 @@ def _concat(tensors):
     if tensors[0].shape.rank == 0:
         return tf.stack(tensors)
     return tf.concat(tensors, axis=0)
+
+
+def _releasing_previous_iterator(function):
+    """`function(iterator)` holding its latest iterator, released when the next comes.
+
+    So that `fit` does not drop the last reference to the previous epoch's
+    iterator on the host thread (see `_release_in_background`). Upstream's
+    function (single process, one replica) gets it too: stock Keras stalls
+    there the same way, less.
+    """
+    current = [None]
+
+    @functools.wraps(function)
+    def holding(iterator):
+        if iterator is not current[0]:
+            previous = [current[0]]
+            current[0] = iterator
+            _release_in_background(previous)
+        return function(iterator)
+
+    return holding
+
+
+_released = queue.SimpleQueue()
+_releaser = None
+
+
+def _release_in_background(box):
+    """Drops the iterator in the list `box` on a background thread.
+
+    The caller holds the iterator only through `box`, so the background
+    thread's is the last reference.
+
+    Destroying a tf.data iterator (its `IteratorResource`) joins the
+    iterator's background threads, and the previous epoch's iterator, not
+    run to its end, blocks the destructor for 0.3 s to several seconds on a
+    loaded host (py-spy: the host thread in `~IteratorResource` ->
+    `~RootDataset::Iterator` -> `~LogicalThreadWrapper` at the start of
+    every later epoch, where `fit` rebinds its `iterator`; issue 18). Under
+    MultiWorkerMirroredStrategy every other worker waits for that one at
+    the first collective. Released here, the destructor runs beside the
+    next epoch's steps, which no longer wait for it.
+    """
+    global _releaser
+    if box[0] is None:
+        return
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():
+            _releaser = threading.Thread(
+                target=_release_loop, name="keras_comm_iterator_release", daemon=True
+            )
+            _releaser.start()
+    _released.put(box)
+
+
+def _release_loop():
+    while True:
+        iterator = _released.get().pop()
+        del iterator  # the last reference: the destructor runs on this thread
+
+
+_releaser_lock = threading.Lock()
 
 
 def compile_replica_call(strategy, replica_fn, what):
