@@ -19,6 +19,7 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
+import atexit
 import functools
 import queue
 import threading
@@ -155,6 +156,13 @@ def make_function(model, replica_step):
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
+            # The pull and the step each get their own guard, so their
+            # clocks do not add up: a batch that is slow to arrive (a loaded
+            # input pipeline, the first batch of an iterator) does not eat
+            # into the step's timeout, nor the step into the pull's. Both
+            # report under the step's site, since a pull that never
+            # completes is a peer that stopped before this step: its
+            # end-of-data agreement is a collective.
             with errors.collective_errors(), watchdog.guard(site):
                 # Under MWMS the distributed iterator agrees across workers
                 # on the end of data: a worker with no samples left gets an
@@ -164,8 +172,10 @@ def make_function(model, replica_step):
                     optional = next_optional(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
                     break
-                if not optional.has_value():
-                    break
+                has_value = bool(optional.has_value())
+            if not has_value:
+                break
+            with errors.collective_errors(), watchdog.guard(site):
                 outputs = one_step_on_optional(optional)
         if outputs is None:
             raise StopIteration
@@ -244,10 +254,15 @@ def _concat(tensors):
 
 
 def _releasing_previous_iterator(function):
-    """`function(iterator)` holding its latest iterator, released when the next comes.
+    """`function(iterator)` holding its latest iterator, released after the next's first call.
 
     So that `fit` does not drop the last reference to the previous epoch's
-    iterator on the host thread (see `_release_in_background`). Upstream's
+    iterator on the host thread (see `_release_in_background`). The previous
+    iterator is handed over only once the new one's first call has
+    returned: its destructor then never runs beside the first pull of an
+    iterator (which starts the new pipeline's threads and, at a step's first
+    call, its tracing). Releases run one at a time, in order, on one
+    thread; process exit waits for a pending one (bounded). Upstream's
     function (single process, one replica) gets it too: stock Keras stalls
     there the same way, less.
     """
@@ -255,17 +270,30 @@ def _releasing_previous_iterator(function):
 
     @functools.wraps(function)
     def holding(iterator):
-        if iterator is not current[0]:
-            previous = [current[0]]
-            current[0] = iterator
+        if iterator is current[0]:
+            return function(iterator)
+        previous = [current[0]]
+        current[0] = iterator
+        try:
+            return function(iterator)
+        finally:
+            # Whether the call returned, found the end of data or failed:
+            # the previous iterator is never used again.
             _release_in_background(previous)
-        return function(iterator)
 
     return holding
 
 
+# How long process exit waits for pending releases. Bounded, so a destructor
+# that never returns cannot hang exit: the wait then gives up and the daemon
+# thread is abandoned.
+_EXIT_WAIT_SECONDS = 30.0
+
 _released = queue.SimpleQueue()
 _releaser = None
+_releaser_lock = threading.Lock()
+_pending = threading.Condition()
+_pending_count = 0
 
 
 def _release_in_background(box):
@@ -282,9 +310,10 @@ def _release_in_background(box):
     every later epoch, where `fit` rebinds its `iterator`; issue 18). Under
     MultiWorkerMirroredStrategy every other worker waits for that one at
     the first collective. Released here, the destructor runs beside the
-    next epoch's steps, which no longer wait for it.
+    next epoch's later steps, which no longer wait for it. (It releases the
+    GIL: measured, a Python thread kept running during a 15 s destructor.)
     """
-    global _releaser
+    global _releaser, _pending_count
     if box[0] is None:
         return
     with _releaser_lock:
@@ -293,16 +322,35 @@ def _release_in_background(box):
                 target=_release_loop, name="keras_comm_iterator_release", daemon=True
             )
             _releaser.start()
+    with _pending:
+        _pending_count += 1
     _released.put(box)
 
 
 def _release_loop():
+    global _pending_count
     while True:
-        iterator = _released.get().pop()
-        del iterator  # the last reference: the destructor runs on this thread
+        box = _released.get()
+        try:
+            del box[:]  # the last reference: the destructor runs on this thread
+        except Exception:  # noqa: BLE001  (a failing destructor must not end the loop)
+            pass
+        finally:
+            del box
+            with _pending:
+                _pending_count -= 1
+                _pending.notify_all()
 
 
-_releaser_lock = threading.Lock()
+def _wait_for_releases(timeout):
+    """Waits up to `timeout` s for the pending releases; True if none is left."""
+    with _pending:
+        return _pending.wait_for(lambda: _pending_count == 0, timeout=timeout)
+
+
+# At exit, let a destructor in progress finish before the interpreter (and
+# TensorFlow's runtime) are torn down beside it; bounded (see above).
+atexit.register(_wait_for_releases, _EXIT_WAIT_SECONDS)
 
 
 def compile_replica_call(strategy, replica_fn, what):
