@@ -5,7 +5,8 @@ of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
 `next` on a distributed iterator runs its end-of-data all-reduce through a
 `multiprocessing.pool.ThreadPool` TensorFlow creates per call), and no
 iterator a step ran on is destroyed on the host thread (its destructor
-joins tf.data's threads and blocked the first step of every later epoch).
+joins tf.data's threads and blocked the first step of every later epoch),
+nor before the next iterator's first call has returned.
 
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).
@@ -55,11 +56,14 @@ class _TraceLog(keras.callbacks.Callback):
         # that destroyed it.
         self.eager_nexts = collections.Counter()
         self.destroyed_on = collections.defaultdict(list)
+        # Iterators destroyed while a train call was on an iterator's first
+        # batch (its pull starts the new pipeline; the release must wait).
+        self.destroyed_in_first_call = []
         self._used = set()
+        self._first_call = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
-
 
     def record(self, name):
         self.traces[self.epoch].append(name)
@@ -68,8 +72,14 @@ class _TraceLog(keras.callbacks.Callback):
         train_function = self.model.train_function
 
         def recording(iterator):
+            if id(iterator) in self._used:
+                return train_function(iterator)
             self._used.add(id(iterator))
-            return train_function(iterator)
+            self._first_call = id(iterator)
+            try:
+                return train_function(iterator)
+            finally:
+                self._first_call = None
 
         self.model.train_function = recording
 
@@ -80,6 +90,8 @@ class _TraceLog(keras.callbacks.Callback):
         if key in self._used:
             self._used.discard(key)
             self.destroyed_on[self.epoch].append(threading.current_thread().name)
+            if self._first_call is not None:
+                self.destroyed_in_first_call.append((self.epoch, key))
 
 
 class _TracesEveryEpoch(keras.callbacks.Callback):
@@ -193,6 +205,10 @@ def _check_released(log):
     # validation iterators are upstream Keras's and are not counted).
     assert len(destroyed()) >= EPOCHS - 1, dict(log.destroyed_on)
     assert threading.main_thread().name not in destroyed(), dict(log.destroyed_on)
+    # ... and only after the next iterator's first call returned: never
+    # beside its first pull (issue 18's revert: in-process 4-replica fits
+    # under load timed out there).
+    assert log.destroyed_in_first_call == [], log.destroyed_in_first_call
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
