@@ -3,10 +3,11 @@
 Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
 of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
 `next` on a distributed iterator runs its end-of-data all-reduce through a
-`multiprocessing.pool.ThreadPool` TensorFlow creates per call), and no
-iterator a step ran on is destroyed on the host thread (its destructor
-joins tf.data's threads and blocked the first step of every later epoch),
-nor before the next iterator's first call has returned.
+`multiprocessing.pool.ThreadPool` TensorFlow creates per call). (The
+previous epoch's iterator is still destroyed on the host thread, as in
+stock Keras: released on a background thread, its destructor -- which can
+wait up to a minute -- ran beside other steps' first calls and those
+exceeded the collective timeout under load; see docs/performance.md.)
 
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).
@@ -21,15 +22,11 @@ on creation) -- never a step, a metric reduction or a keras_comm function.
 """
 
 import collections
-import threading
-import time
-import weakref
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.data.ops import dataset_ops
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
@@ -51,47 +48,14 @@ class _TraceLog(keras.callbacks.Callback):
         super().__init__()
         self.epoch = "before fit"
         self.traces = collections.defaultdict(list)
-        # Per epoch: batches pulled eagerly from a distributed iterator, and
-        # for each iterator a step ran on and that was destroyed, the thread
-        # that destroyed it.
+        # Per epoch: batches pulled eagerly from a distributed iterator.
         self.eager_nexts = collections.Counter()
-        self.destroyed_on = collections.defaultdict(list)
-        # Iterators destroyed while a train call was on an iterator's first
-        # batch (its pull starts the new pipeline; the release must wait).
-        self.destroyed_in_first_call = []
-        self._used = set()
-        self._first_call = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def record(self, name):
         self.traces[self.epoch].append(name)
-
-    def on_train_begin(self, logs=None):
-        train_function = self.model.train_function
-
-        def recording(iterator):
-            if id(iterator) in self._used:
-                return train_function(iterator)
-            self._used.add(id(iterator))
-            self._first_call = id(iterator)
-            try:
-                return train_function(iterator)
-            finally:
-                self._first_call = None
-
-        self.model.train_function = recording
-
-    def track(self, iterator):
-        weakref.finalize(iterator, self._destroyed, id(iterator))
-
-    def _destroyed(self, key):
-        if key in self._used:
-            self._used.discard(key)
-            self.destroyed_on[self.epoch].append(threading.current_thread().name)
-            if self._first_call is not None:
-                self.destroyed_in_first_call.append((self.epoch, key))
 
 
 class _TracesEveryEpoch(keras.callbacks.Callback):
@@ -109,23 +73,6 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return original(name, python_func, *args, **kwargs)
 
     monkeypatch.setattr(func_graph, "func_graph_from_py_func", recording)
-    original_iter = input_lib.DistributedDataset.__iter__
-
-    def tracked_iter(self):
-        iterator = original_iter(self)
-        log.track(iterator)
-        return iterator
-
-    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", tracked_iter)
-    # One process: Keras iterates the dataset itself.
-    original_dataset_iter = dataset_ops.DatasetV2.__iter__
-
-    def tracked_dataset_iter(self):
-        iterator = original_dataset_iter(self)
-        log.track(iterator)
-        return iterator
-
-    monkeypatch.setattr(dataset_ops.DatasetV2, "__iter__", tracked_dataset_iter)
     for method in ("get_next", "get_next_as_optional"):
         original_method = getattr(input_lib.DistributedIterator, method)
 
@@ -177,7 +124,6 @@ def _check(log, step="one_step_on_data"):
 def test_no_retrace_after_first_epoch_single_process(monkeypatch):
     log = _fit_logging_traces(monkeypatch, tf.distribute.get_strategy())
     _check(log)
-    _check_released(log)
 
 
 @pytest.mark.parametrize("num_replicas", [2])
@@ -188,27 +134,8 @@ def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
     _check(log, step="one_step_on_optional")
     # The data path, counted (issue 18): no batch pulled eagerly (on real
     # workers each eager pull all-reduces "has data" through a new
-    # ThreadPool: 7 train + 7 validation pulls per epoch here before), and
-    # each epoch's train iterator released off the host thread.
+    # ThreadPool: 7 train + 7 validation pulls per epoch here before).
     assert dict(log.eager_nexts) == {}, dict(log.eager_nexts)
-    _check_released(log)
-
-
-def _check_released(log):
-    destroyed = lambda: [n for names in log.destroyed_on.values() for n in names]  # noqa: E731
-    # The release runs beside the next epoch: wait for the last hand-over.
-    # (Each destructor may take seconds on a loaded host: that is the stall.)
-    deadline = time.monotonic() + 120
-    while len(destroyed()) < EPOCHS - 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    # Every epoch but the last has handed over its train iterator (the
-    # validation iterators are upstream Keras's and are not counted).
-    assert len(destroyed()) >= EPOCHS - 1, dict(log.destroyed_on)
-    assert threading.main_thread().name not in destroyed(), dict(log.destroyed_on)
-    # ... and only after the next iterator's first call returned: never
-    # beside its first pull (issue 18's revert: in-process 4-replica fits
-    # under load timed out there).
-    assert log.destroyed_in_first_call == [], log.destroyed_in_first_call
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):

@@ -19,11 +19,6 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
-import atexit
-import functools
-import queue
-import threading
-
 import tensorflow as tf
 
 from keras_comm import errors
@@ -105,8 +100,7 @@ def make_function(model, replica_step):
     """
     strategy = model.distribute_strategy
     if not is_mwms(strategy):
-        upstream = keras_api.trainer_method("_make_function")(model, replica_step)
-        return _releasing_previous_iterator(upstream)
+        return keras_api.trainer_method("_make_function")(model, replica_step)
 
     def step_on_replica(data):
         return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
@@ -152,7 +146,6 @@ def make_function(model, replica_step):
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
 
-    @_releasing_previous_iterator
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
@@ -251,106 +244,6 @@ def _concat(tensors):
     if tensors[0].shape.rank == 0:
         return tf.stack(tensors)
     return tf.concat(tensors, axis=0)
-
-
-def _releasing_previous_iterator(function):
-    """`function(iterator)` holding its latest iterator, released after the next's first call.
-
-    So that `fit` does not drop the last reference to the previous epoch's
-    iterator on the host thread (see `_release_in_background`). The previous
-    iterator is handed over only once the new one's first call has
-    returned: its destructor then never runs beside the first pull of an
-    iterator (which starts the new pipeline's threads and, at a step's first
-    call, its tracing). Releases run one at a time, in order, on one
-    thread; process exit waits for a pending one (bounded). Upstream's
-    function (single process, one replica) gets it too: stock Keras stalls
-    there the same way, less.
-    """
-    current = [None]
-
-    @functools.wraps(function)
-    def holding(iterator):
-        if iterator is current[0]:
-            return function(iterator)
-        previous = [current[0]]
-        current[0] = iterator
-        try:
-            return function(iterator)
-        finally:
-            # Whether the call returned, found the end of data or failed:
-            # the previous iterator is never used again.
-            _release_in_background(previous)
-
-    return holding
-
-
-# How long process exit waits for pending releases. Bounded, so a destructor
-# that never returns cannot hang exit: the wait then gives up and the daemon
-# thread is abandoned.
-_EXIT_WAIT_SECONDS = 30.0
-
-_released = queue.SimpleQueue()
-_releaser = None
-_releaser_lock = threading.Lock()
-_pending = threading.Condition()
-_pending_count = 0
-
-
-def _release_in_background(box):
-    """Drops the iterator in the list `box` on a background thread.
-
-    The caller holds the iterator only through `box`, so the background
-    thread's is the last reference.
-
-    Destroying a tf.data iterator (its `IteratorResource`) joins the
-    iterator's background threads, and the previous epoch's iterator, not
-    run to its end, blocks the destructor for 0.3 s to several seconds on a
-    loaded host (py-spy: the host thread in `~IteratorResource` ->
-    `~RootDataset::Iterator` -> `~LogicalThreadWrapper` at the start of
-    every later epoch, where `fit` rebinds its `iterator`; issue 18). Under
-    MultiWorkerMirroredStrategy every other worker waits for that one at
-    the first collective. Released here, the destructor runs beside the
-    next epoch's later steps, which no longer wait for it. (It releases the
-    GIL: measured, a Python thread kept running during a 15 s destructor.)
-    """
-    global _releaser, _pending_count
-    if box[0] is None:
-        return
-    with _releaser_lock:
-        if _releaser is None or not _releaser.is_alive():
-            _releaser = threading.Thread(
-                target=_release_loop, name="keras_comm_iterator_release", daemon=True
-            )
-            _releaser.start()
-    with _pending:
-        _pending_count += 1
-    _released.put(box)
-
-
-def _release_loop():
-    global _pending_count
-    while True:
-        box = _released.get()
-        try:
-            del box[:]  # the last reference: the destructor runs on this thread
-        except Exception:  # noqa: BLE001  (a failing destructor must not end the loop)
-            pass
-        finally:
-            del box
-            with _pending:
-                _pending_count -= 1
-                _pending.notify_all()
-
-
-def _wait_for_releases(timeout):
-    """Waits up to `timeout` s for the pending releases; True if none is left."""
-    with _pending:
-        return _pending.wait_for(lambda: _pending_count == 0, timeout=timeout)
-
-
-# At exit, let a destructor in progress finish before the interpreter (and
-# TensorFlow's runtime) are torn down beside it; bounded (see above).
-atexit.register(_wait_for_releases, _EXIT_WAIT_SECONDS)
 
 
 def compile_replica_call(strategy, replica_fn, what):
