@@ -1,5 +1,14 @@
 """No function is traced again after `fit`'s first epoch (issue 18).
 
+Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
+of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
+`next` on a distributed iterator runs its end-of-data all-reduce through a
+`multiprocessing.pool.ThreadPool` TensorFlow creates per call). (The
+previous epoch's iterator is still destroyed on the host thread, as in
+stock Keras: released on a background thread, its destructor -- which can
+wait up to a minute -- ran beside other steps' first calls and those
+exceeded the collective timeout under load; see docs/performance.md.)
+
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).
 
@@ -18,6 +27,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -38,6 +48,8 @@ class _TraceLog(keras.callbacks.Callback):
         super().__init__()
         self.epoch = "before fit"
         self.traces = collections.defaultdict(list)
+        # Per epoch: batches pulled eagerly from a distributed iterator.
+        self.eager_nexts = collections.Counter()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -61,6 +73,15 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         return original(name, python_func, *args, **kwargs)
 
     monkeypatch.setattr(func_graph, "func_graph_from_py_func", recording)
+    for method in ("get_next", "get_next_as_optional"):
+        original_method = getattr(input_lib.DistributedIterator, method)
+
+        def counted(self, *args, _original=original_method, **kwargs):
+            if tf.executing_eagerly():
+                log.eager_nexts[log.epoch] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(input_lib.DistributedIterator, method, counted)
     rng = np.random.default_rng(0)
     # 100 samples in batches of 16: 6 full batches and a partial one, so the
     # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
@@ -83,10 +104,11 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
         verbose=0,
         callbacks=[log, *extra_callbacks],
     )
-    return log.traces
+    return log
 
 
-def _check(traces, step="one_step_on_data"):
+def _check(log, step="one_step_on_data"):
+    traces = log.traces
     # `step`: the compiled step's name (upstream Keras's outside MWMS,
     # keras_comm's `training.step` under it).
     first = traces[0]
@@ -100,23 +122,28 @@ def _check(traces, step="one_step_on_data"):
 
 
 def test_no_retrace_after_first_epoch_single_process(monkeypatch):
-    _check(_fit_logging_traces(monkeypatch, tf.distribute.get_strategy()))
+    log = _fit_logging_traces(monkeypatch, tf.distribute.get_strategy())
+    _check(log)
 
 
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
-    _check(
-        _fit_logging_traces(monkeypatch, make_strategy(num_replicas)),
-        step="one_step_on_data",
-    )
+    log = _fit_logging_traces(monkeypatch, make_strategy(num_replicas))
+    # keras_comm's step takes the batch as a `tf.experimental.Optional`
+    # pulled by a compiled `next_optional`.
+    _check(log, step="one_step_on_optional")
+    # The data path, counted (issue 18): no batch pulled eagerly (on real
+    # workers each eager pull all-reduces "has data" through a new
+    # ThreadPool: 7 train + 7 validation pulls per epoch here before).
+    assert dict(log.eager_nexts) == {}, dict(log.eager_nexts)
 
 
 def test_check_catches_a_function_traced_every_epoch(monkeypatch):
-    traces = _fit_logging_traces(
+    log = _fit_logging_traces(
         monkeypatch, tf.distribute.get_strategy(), [_TracesEveryEpoch()]
     )
     with pytest.raises(AssertionError, match="traced in epoch 1"):
-        _check(traces)
+        _check(log)
 
 
 def test_end_of_data_call_runs_nothing_of_the_step():

@@ -114,11 +114,34 @@ def make_function(model, replica_step):
             watchdog.restart()  # tracing ends here: the step's clock starts
         return outputs
 
-    if not model.run_eagerly:
+    if not model.run_eagerly and model.jit_compile:
         one_step_on_data = tf.function(
-            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
+            one_step_on_data, reduce_retracing=True, jit_compile=True
         )
     one_step_on_data = keras_api.autoconvert_optionals(model, one_step_on_data)
+
+    # The batch is pulled in a compiled function, not by `next(iterator)` on
+    # the host: an eager `next` on a distributed iterator runs its
+    # end-of-data agreement (a scalar all-reduce of "has a value") as an
+    # eager collective, through a `ThreadPool` TensorFlow creates and drops
+    # at every call, and the eager ops of `get_next_as_optional` one by one
+    # (issue 18). Compiled, the same agreement is one graph collective. The
+    # host reads only whether any worker had data, so a call at the end of
+    # data runs nothing of the step.
+    @tf.autograph.experimental.do_not_convert
+    def next_optional(iterator):
+        optional = iterator.get_next_as_optional()
+        if not model.run_eagerly:
+            watchdog.restart()
+        return optional
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_optional(optional):
+        return one_step_on_data(optional.get_value())
+
+    if not model.run_eagerly:
+        next_optional = tf.function(next_optional)
+        one_step_on_optional = tf.function(one_step_on_optional, reduce_retracing=True)
 
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
@@ -126,16 +149,27 @@ def make_function(model, replica_step):
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
+            # The pull and the step each get their own guard, so their
+            # clocks do not add up: a batch that is slow to arrive (a loaded
+            # input pipeline, the first batch of an iterator) does not eat
+            # into the step's timeout, nor the step into the pull's. Both
+            # report under the step's site, since a pull that never
+            # completes is a peer that stopped before this step: its
+            # end-of-data agreement is a collective.
             with errors.collective_errors(), watchdog.guard(site):
+                # Under MWMS the distributed iterator agrees across workers
+                # on the end of data: a worker with no samples left gets an
+                # empty batch until every worker is out, so all run the
+                # same steps, and all see "no value" on the same call.
                 try:
-                    # Under MWMS the distributed iterator agrees across workers
-                    # on the end of data: a worker with no samples left gets an
-                    # empty batch until every worker is out, so all run the
-                    # same steps.
-                    data = next(iterator)
+                    optional = next_optional(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
                     break
-                outputs = one_step_on_data(data)
+                has_value = bool(optional.has_value())
+            if not has_value:
+                break
+            with errors.collective_errors(), watchdog.guard(site):
+                outputs = one_step_on_optional(optional)
         if outputs is None:
             raise StopIteration
         return outputs
