@@ -42,6 +42,7 @@ and the others to a path of their own. Per-replica access in one process:
 """
 
 import dataclasses
+import weakref
 import zlib
 
 import keras
@@ -107,7 +108,37 @@ class ShardSpec:
         return full[tuple(sl)]
 
 
-_specs = {}
+class _ByIdentity:
+    """Values attached to live objects, keyed by identity.
+
+    Variables hash by identity only through `id()`, and an id is reused as
+    soon as its object is gone: a plain ``{id(v): spec}`` let a new variable
+    created at a dead sharded one's address read as sharded (a test's
+    non-trainable state was then left out of the per-step sync, depending on
+    which tests had run before in the process). A weak reference kept beside
+    each entry tells the two apart, and drops the entry with its object.
+    """
+
+    def __init__(self):
+        self._entries = {}
+
+    def __setitem__(self, obj, value):
+        key = id(obj)
+
+        def forget(ref, key=key):
+            if self._entries.get(key, (None,))[0] is ref:
+                del self._entries[key]
+
+        self._entries[key] = (weakref.ref(obj, forget), value)
+
+    def get(self, obj):
+        entry = self._entries.get(id(obj))
+        if entry is None or entry[0]() is not obj:
+            return None
+        return entry[1]
+
+
+_specs = _ByIdentity()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +161,12 @@ class DeferredShard:
         return np.asarray(keras.ops.convert_to_numpy(init(self.spec.full_shape, dtype=dtype)))
 
 
-_deferred = {}
+_deferred = _ByIdentity()
 
 
 def deferred_shard(variable):
     """The `DeferredShard` of a Keras variable created without a value, or None."""
-    return _deferred.get(id(variable))
+    return _deferred.get(variable)
 
 
 _tf_variable = keras_api.tf_variable
@@ -143,9 +174,10 @@ _tf_variable = keras_api.tf_variable
 
 def shard_spec(variable):
     """The `ShardSpec` of `variable`, or None if it is not sharded."""
-    spec = _specs.get(id(_tf_variable(variable)))
-    if spec is None and id(variable) in _deferred:  # a Pipeline stage's shard
-        spec = _deferred[id(variable)].spec
+    spec = _specs.get(_tf_variable(variable))
+    deferred = _deferred.get(variable) if spec is None else None
+    if deferred is not None:  # a Pipeline stage's shard
+        spec = deferred.spec
     return spec
 
 
@@ -162,7 +194,7 @@ def register_spec(variable, spec):
     each replica's slice (`keras_comm.parallel._checkpoint`), so no replica's
     part is lost or replaced by the chief's on resume.
     """
-    _specs[id(_tf_variable(variable))] = spec
+    _specs[_tf_variable(variable)] = spec
 
 
 def _components(variable):
@@ -248,9 +280,9 @@ def add_sharded_weight(
         # replica's shard from this record and reduces its gradient.
         if seed is None:
             seed = zlib.crc32(variable.path.encode()) % (2**31)
-        _deferred[id(variable)] = DeferredShard(spec, initializer, int(seed))
+        _deferred[variable] = DeferredShard(spec, initializer, int(seed))
         return variable
-    _specs[id(tf_var)] = spec
+    _specs[tf_var] = spec
     reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:
         seed = zlib.crc32(variable.path.encode()) % (2**31)
