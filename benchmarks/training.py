@@ -125,44 +125,14 @@ def measure_scaling(strategy, models, per_replica_batch, steps, rounds, log=prin
 
 def _collective_ops(function):
     """Op types of every collective in the graphs reachable from `function`."""
-    import tensorflow as tf
+    from benchmarks._graphs import concrete_functions, graph_nodes
 
-    found = []
-    seen = set()
-
-    def functions_in(obj, depth=0):
-        if depth > 6 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-            yield obj
-            return
-        inner = getattr(obj, "__wrapped__", None)
-        if inner is not None:
-            yield from functions_in(inner, depth + 1)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                yield from functions_in(cell.cell_contents, depth + 1)
-            except ValueError:
-                pass
-        owner = getattr(obj, "__self__", None)
-        if owner is not None:
-            for value in list(vars(owner).values()) if hasattr(owner, "__dict__") else ():
-                if isinstance(value, tf.types.experimental.PolymorphicFunction):
-                    yield from functions_in(value, depth + 1)
-
-    for poly in functions_in(function):
-        for concrete in poly._list_all_concrete_functions():  # pylint: disable=protected-access
-            graph_def = concrete.graph.as_graph_def()
-            nodes = list(graph_def.node)
-            for f in graph_def.library.function:
-                nodes.extend(f.node_def)
-            found.extend(
-                (node.op, "parallel_optimizer" in node.name)
-                for node in nodes
-                if node.op.startswith("Collective") or node.op.startswith("BroadcastSend")
-            )
-    return found
+    return [
+        (node.op, "parallel_optimizer" in node.name)
+        for concrete in concrete_functions(function)
+        for node in graph_nodes(concrete)
+        if node.op.startswith("Collective") or node.op.startswith("BroadcastSend")
+    ]
 
 
 def _counting_callback(accumulation_steps, zero_stage):

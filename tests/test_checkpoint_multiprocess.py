@@ -1,15 +1,24 @@
-"""Kill a worker mid-training, relaunch, and end with an uninterrupted run's weights.
+"""Checkpoints across real worker processes, in three launches of 2 workers.
 
-Two workers train with `keras_comm.callbacks.BackupAndRestore(save_freq=5)`;
-rank 1 SIGKILLs itself mid-epoch on the first run of each configuration
-(stock fit, then ParallelOptimizer zero_stage=1 with accumulation 2). Three
-launches: plain killed; plain resumed and finished, po1 killed; po1 resumed
-and finished. Each finished run is compared in its own cluster with an
-uninterrupted fit of the same model.
+All three checks run in the same three launches (workers/checkpoint_launch_worker.py):
+each launch pays TensorFlow's import and the cluster's setup (~8 CPU-seconds
+per process), and the SIGKILL check needs three launches anyway.
+
+- SIGKILL: two workers train with
+  `keras_comm.callbacks.BackupAndRestore(save_freq=5)`; rank 1 SIGKILLs
+  itself mid-epoch on the first run of each configuration (stock fit, then
+  ParallelOptimizer zero_stage=1 with accumulation 2): launch 1 kills plain;
+  launch 2 resumes and finishes plain, kills po1; launch 3 resumes and
+  finishes po1. Each finished run is compared in its own cluster with an
+  uninterrupted fit of the same model.
+- Sharded state (tensor-parallel, embedding, MoE, ZeRO): interrupted in
+  launch 1, resumed and round-tripped in launch 3.
+- Damaged backups and workers that see different files: launch 2.
 """
 
 import json
 import time
+import traceback
 
 import pytest
 
@@ -17,25 +26,43 @@ from _cluster import run_cluster
 
 CONFIGS = ["plain", "po1"]
 STEPS, EPOCHS, KILL_STEP = 12, 2, 18  # as in workers/checkpoint_worker.py
+WORKER = "workers/checkpoint_launch_worker.py"
 
 
-def _killed_launch(state, killed_config):
+def _killed_launch(state, launch, killed_config):
     started = time.time()
-    result = run_cluster("workers/checkpoint_worker.py", 2, state, *CONFIGS, timeout=240)
+    result = run_cluster(WORKER, 2, state, launch, timeout=300)
     finished = time.time()
     assert result.returncode == 128 + 9, result.tail()
     assert "worker rank 1 failed (killed by SIGKILL)" in result.output, result.tail()
-    kill = json.loads((state / f"killed-{killed_config}").read_text())
+    kill = json.loads((state / "sigkill" / f"killed-{killed_config}").read_text())
     assert kill["step"] == KILL_STEP
     return {"time_to_exit": finished - kill["time"], "launch_seconds": finished - started}
 
 
 @pytest.mark.multiprocess
-def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
-    state = tmp_path
-    timings = [_killed_launch(state, "plain"), _killed_launch(state, "po1")]
-    result = run_cluster("workers/checkpoint_worker.py", 2, state, *CONFIGS, timeout=240).check()
-    for rank, r in enumerate(result.results):
+def test_checkpoints_across_workers(tmp_path):
+    # One test, not three sharing a module fixture: under pytest-xdist the
+    # three could run on different pytest workers, each repeating the launches.
+    timings = [_killed_launch(tmp_path, 1, "plain"), _killed_launch(tmp_path, 2, "po1")]
+    result = run_cluster(WORKER, 2, tmp_path, 3, timeout=300).check()
+    launches = {"results": result.results, "timings": timings, "state": tmp_path}
+    # Every check runs (one failing does not hide the others' outcome).
+    failed = {}
+    for check in (_check_resume_after_sigkill_matches_uninterrupted,
+                  _check_sharded_state_round_trips_exactly,
+                  _check_backup_damage_and_agreement_across_workers):
+        try:
+            check(launches)
+        except Exception as e:  # noqa: BLE001  (an IndexError in a check is a failure too)
+            failed[check.__name__] = "".join(traceback.format_exception(e))
+    if failed:
+        raise AssertionError("\n".join(f"--- {name} ---\n{tb}" for name, tb in failed.items()))
+
+
+def _check_resume_after_sigkill_matches_uninterrupted(launches):
+    for rank, all_checks in enumerate(launches["results"]):
+        r = all_checks["sigkill"]
         assert r["rank"] == rank and r["world"] == 2
         for config in CONFIGS:
             c = r["results"][config]
@@ -49,7 +76,8 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
             assert c["trained_after_restore"] == EPOCHS * STEPS - done
             assert c["trained_uninterrupted"] == EPOCHS * STEPS
             assert c["backup_dir_removed"]
-    print("timings:", timings, "results:", result.results[0]["results"])
+    timings = launches["timings"]
+    print("timings:", timings, "results:", launches["results"][0]["sigkill"]["results"])
     for t in timings:
         assert t["time_to_exit"] < 20, timings
 
@@ -59,17 +87,14 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
 SHARDED_CONFIGS = ["tp", "emb_moe", "tp_po1"]
 
 
-@pytest.mark.multiprocess
-def test_sharded_state_round_trips_exactly(tmp_path):
+def _check_sharded_state_round_trips_exactly(launches):
     # Launch 1 trains each configuration and is interrupted mid-run (backups
-    # kept); launch 2 restarts from them, finishes, and compares with an
+    # kept); launch 3 restarts from them, finishes, and compares with an
     # uninterrupted run; then save_weights / .keras round trips.
-    run_cluster("workers/sharded_checkpoint_worker.py", 2, tmp_path, "interrupt",
-                timeout=300).check()
-    result = run_cluster("workers/sharded_checkpoint_worker.py", 2, tmp_path, "resume",
-                         timeout=300).check()
-    print("sharded results:", json.dumps(result.results))
-    for rank, r in enumerate(result.results):
+    results = [r["sharded"] for r in launches["results"]]
+    tmp_path = launches["state"] / "sharded"
+    print("sharded results:", json.dumps(results))
+    for rank, r in enumerate(results):
         assert r["rank"] == rank and r["world"] == 2
         for config in SHARDED_CONFIGS:
             c = r["results"][config]
@@ -105,16 +130,15 @@ def test_sharded_state_round_trips_exactly(tmp_path):
 # --- damaged backups and workers that see different files -------------------
 
 
-@pytest.mark.multiprocess
-def test_backup_damage_and_agreement_across_workers(tmp_path):
+def _check_backup_damage_and_agreement_across_workers(launches):
     # Before: a torn training_metadata.json failed fit with JSONDecodeError,
     # the previous backup was named only inside it, and each worker restored
     # from its own view of backup_dir (per-worker directories resumed the
     # workers at different steps).
-    result = run_cluster("workers/backup_agreement_worker.py", 2, tmp_path, timeout=400).check()
-    print("agreement results:", json.dumps(result.results))
+    results = [r["agreement"] for r in launches["results"]]
+    print("agreement results:", json.dumps(results))
     latest, previous = {"epoch": 1, "step": 2}, {"epoch": 0, "step": 4}
-    for rank, r in enumerate(result.results):
+    for rank, r in enumerate(results):
         c = r["results"]
         assert c["files"] == ["ckpt-0-4.json", "ckpt-0-4.weights.h5", "ckpt-1-2.json",
                               "ckpt-1-2.weights.h5", "training_metadata.json"]

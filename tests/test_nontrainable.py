@@ -2,7 +2,7 @@
 
 In-process replicas; the real-worker checks (2 and 3 workers, tf-keras's
 MultiWorkerMirroredStrategy as the reference) are in
-test_nontrainable_multiprocess.py.
+test_collectives_multiprocess.py (workers/nontrainable_worker.py).
 
 The reference for the values is tf-keras (Keras 2) on the same strategy,
 data and initial weights: it keeps BatchNormalization's moving statistics

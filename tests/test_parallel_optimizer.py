@@ -6,15 +6,20 @@ micro-batch.
 """
 
 import logging
+import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _cluster import REPO_DIR
 from conftest import make_strategy
 
 import keras_comm
 from keras_comm.callbacks import ParallelOptimizer
+
+sys.path.insert(0, str(REPO_DIR))  # benchmarks/ (as tests/test_benchmarks.py)
+from benchmarks._graphs import concrete_functions, graph_nodes  # noqa: E402
 
 MICRO = 8  # global micro-batch
 RTOL = 1e-4
@@ -230,35 +235,12 @@ def test_without_strategy_trains_as_one_replica():
 
 def _collective_ops(function):
     """Op types of keras_comm ParallelOptimizer collectives in `function`'s graphs."""
-    found = []
-    seen = set()
-
-    def functions_in(obj, depth=0):
-        if depth > 6 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-            yield obj
-            return
-        inner = getattr(obj, "__wrapped__", None)
-        if inner is not None:
-            yield from functions_in(inner, depth + 1)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                yield from functions_in(cell.cell_contents, depth + 1)
-            except ValueError:
-                pass
-
-    for poly in functions_in(function):
-        for concrete in poly._list_all_concrete_functions():
-            graph_def = concrete.graph.as_graph_def()
-            nodes = list(graph_def.node)
-            for f in graph_def.library.function:
-                nodes.extend(f.node_def)
-            for node in nodes:
-                if node.op.startswith("Collective") and "parallel_optimizer" in node.name:
-                    found.append(node.op)
-    return found
+    return [
+        node.op
+        for concrete in concrete_functions(function)
+        for node in graph_nodes(concrete)
+        if node.op.startswith("Collective") and "parallel_optimizer" in node.name
+    ]
 
 
 def _gradient_collective_sizes(function):
@@ -266,32 +248,13 @@ def _gradient_collective_sizes(function):
     a CPU reduce-scatter) of the first replica, in the order `function`'s
     graph issues them."""
     sizes = []
-    for poly in _functions_in(function):
-        for concrete in poly._list_all_concrete_functions():
-            for op in concrete.graph.get_operations():
-                if "parallel_optimizer" in op.name and op.type in (
-                    "CollectiveReduceV2", "CollectiveAllToAllV2"
-                ) and op.inputs[0].dtype == tf.float32 and op.inputs[0].shape.rank:
-                    sizes.append(op.inputs[0].shape.num_elements())
+    for concrete in concrete_functions(function):
+        for op in concrete.graph.get_operations():
+            if "parallel_optimizer" in op.name and op.type in (
+                "CollectiveReduceV2", "CollectiveAllToAllV2"
+            ) and op.inputs[0].dtype == tf.float32 and op.inputs[0].shape.rank:
+                sizes.append(op.inputs[0].shape.num_elements())
     return sizes[: len(sizes) // 2]  # 2 replicas in one graph, the first traced first
-
-
-def _functions_in(obj, depth=0, seen=None):
-    seen = set() if seen is None else seen
-    if depth > 6 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-        yield obj
-        return
-    inner = getattr(obj, "__wrapped__", None)
-    if inner is not None:
-        yield from _functions_in(inner, depth + 1, seen)
-    for cell in getattr(obj, "__closure__", None) or ():
-        try:
-            yield from _functions_in(cell.cell_contents, depth + 1, seen)
-        except ValueError:
-            pass
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -14,6 +14,9 @@ Usage: backup_agreement_worker.py STATE_DIR. One launch:
 
 Each case records, per worker, what was restored or the error raised, and
 the warnings.
+
+Run by tests/test_checkpoint_multiprocess.py through
+checkpoint_launch_worker.py, in its second launch.
 """
 
 import shutil
@@ -24,8 +27,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from _cluster import write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _strategy import strategy
 
 import keras  # noqa: E402
 
@@ -111,8 +113,9 @@ def worker1_view(name, directory):
         shutil.copy(directory / "ckpt-0-4.weights.h5", directory / "ckpt-1-2.weights.h5")
 
 
-def main(state_dir):
+def run(state_dir):
     state = Path(state_dir)
+    state.mkdir(parents=True, exist_ok=True)
     pristine = state / "pristine"
     try:
         build().fit(dataset(), epochs=EPOCHS, verbose=0,
@@ -140,8 +143,8 @@ def main(state_dir):
         barrier()
         results[name] = resume(directory)
 
-    write_result({"rank": RANK, "world": N, "results": results})
+    return {"rank": RANK, "world": N, "results": results}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    write_result(run(sys.argv[1]))

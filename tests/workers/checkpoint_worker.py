@@ -9,6 +9,9 @@ first run of a configuration (no ``STATE_DIR/killed-<config>`` marker) rank 1
 SIGKILLs itself before global step KILL_STEP, after writing the marker and
 the kill time. A run that completes also trains the same model uninterrupted
 in this cluster and records the max relative weight difference.
+
+Run by tests/test_checkpoint_multiprocess.py through
+checkpoint_launch_worker.py, in the launches of the other checkpoint checks.
 """
 
 import json
@@ -22,8 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _strategy import strategy
 
 import keras  # noqa: E402
 
@@ -154,8 +156,10 @@ def run(config, state):
     }
 
 
-def main(state_dir, configs):
+def run_configs(state_dir, configs):
+    """Runs (or reads the finished) `configs` in order; see the module doc."""
     state = Path(state_dir)
+    state.mkdir(parents=True, exist_ok=True)
     results = {}
     for config in configs:
         done = state / f"done-{config}-rank{RANK}.json"
@@ -164,9 +168,9 @@ def main(state_dir, configs):
             continue
         results[config] = run(config, state)
         done.write_text(json.dumps(results[config]))
-    write_result({"rank": RANK, "world": N, "results": results})
+    return {"rank": RANK, "world": N, "results": results}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    write_result(run_configs(sys.argv[1], sys.argv[2:]))
     finish()  # _cluster.finish: skip the slow teardown

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
-from _ops_strategy import strategy
+from _strategy import strategy
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
 from keras_comm import ops  # noqa: E402

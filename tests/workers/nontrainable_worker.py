@@ -20,6 +20,10 @@ Each worker is one replica. In one launch:
    interrupted mid-epoch and resumed (in this process, a fresh model), against
    the same fit uninterrupted: each worker's weights, moving statistics
    included.
+
+Run by tests/test_collectives_multiprocess.py in the 3-worker launch of the
+ops checks (workers/ops_worker.py): that launch's import and cluster setup
+serve both.
 """
 
 import os
@@ -29,8 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _strategy import strategy
 
 import keras  # noqa: E402
 import tf_keras  # noqa: E402
@@ -197,20 +200,19 @@ def case_resume(x, y):
     }
 
 
-def main():
+def results():
+    """Every case's numbers (the test compares them across workers)."""
     x, y = data()
-    write_result(
-        {
-            "rank": RANK,
-            "world": N,
-            "bn": case_bn(x, y),
-            "sync": case_sync(x, y),
-            "norm": case_norm(x, y),
-            "resume": case_resume(x, y),
-        }
-    )
+    return {
+        "rank": RANK,
+        "world": N,
+        "bn": case_bn(x, y),
+        "sync": case_sync(x, y),
+        "norm": case_norm(x, y),
+        "resume": case_resume(x, y),
+    }
 
 
 if __name__ == "__main__":
-    main()
+    write_result(results())
     finish()  # _cluster.finish: skip the slow teardown

@@ -13,6 +13,10 @@ Usage: sharded_checkpoint_worker.py STATE_DIR PHASE, PHASE in
   chief to STATE_DIR, the others to a path of their own), loads each into a
   fresh model and compares again. STATE_DIR keeps the chief's files for the
   single-process check of the test.
+
+Run by tests/test_checkpoint_multiprocess.py through
+checkpoint_launch_worker.py: ``interrupt`` in the first launch, ``resume``
+in the last.
 """
 
 import json
@@ -24,8 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import finish, write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _strategy import strategy
 
 import keras  # noqa: E402
 
@@ -106,6 +109,7 @@ def own_path(state_dir, name):
 
 
 def interrupt(state_dir):
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
     for config in CONFIGS:
         model = build(config)
         try:
@@ -114,7 +118,7 @@ def interrupt(state_dir):
         except RuntimeError as e:
             if "interrupted" not in str(e):
                 raise
-    write_result({"rank": RANK, "interrupted": list(CONFIGS)})
+    return {"rank": RANK, "interrupted": list(CONFIGS)}
 
 
 def resume(state_dir):
@@ -153,9 +157,9 @@ def resume(state_dir):
         if CHIEF:
             np.savez(Path(state_dir) / f"{config}.full.npz", *weights)
         results[config] = r
-    write_result({"rank": RANK, "world": N, "results": results})
+    return {"rank": RANK, "world": N, "results": results}
 
 
 if __name__ == "__main__":
-    {"interrupt": interrupt, "resume": resume}[sys.argv[2]](sys.argv[1])
+    write_result({"interrupt": interrupt, "resume": resume}[sys.argv[2]](sys.argv[1]))
     finish()  # _cluster.finish: skip the slow teardown
