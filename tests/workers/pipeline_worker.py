@@ -16,6 +16,10 @@ replica per worker):
   of their own), reloaded by the test in one process;
 - resume: fit interrupted at global step 3 with BackupAndRestore, then a
   fresh model fits from the backup; its weights equal an uninterrupted run's.
+- zero (4 workers): 2 data x 2 stages under ParallelOptimizer(zero_stage=1,
+  accumulation_steps=2), Adam: the stage buffer's moments sharded over the
+  stage's data group; exact against the unsplit model, the optimizer state
+  a worker holds, peak RSS, and a resume with BackupAndRestore.
 """
 
 import sys
@@ -235,11 +239,65 @@ def save_and_resume(state_dir):
     }
 
 
+def zero_case(state_dir):
+    """ZeRO-1 of the stage buffer over its data group, 1F1B on a (2, 2) mesh."""
+    import resource
+
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    k, batch = 2, 8  # 2 micro-batches of 8 accumulated per update
+    x, y = data(batch * k, WIDTHS[1])
+    x, y = np.concatenate([x] * 2), np.concatenate([y] * 2)  # 8 micro-steps: 4 updates
+
+    def po():
+        return keras_comm.callbacks.ParallelOptimizer(accumulation_steps=k, zero_stage=1)
+
+    straight = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    start = P.full_weights(straight)
+    cb = po()
+    straight.fit(dataset(x, y, batch), epochs=1, verbose=0, callbacks=[cb])
+    want = P.full_weights(straight)
+    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + unsplit_stages(2))
+    ref.compile(optimizer=adam(), loss="mse")
+    ref.set_weights(start)
+    ref.fit(x, y, batch_size=batch * k, epochs=1, shuffle=False, verbose=0)
+    state = cb._engine.state
+    layer = straight.layers[1]
+    length = int(layer._buffer.shape[0])
+    grouped = [int(np.prod(slot.value.shape)) for slot, _, _ in state.slot_pairs[0][2]]
+    held_user = [int(tf.size(c.read_value())) for u in state.grouped_user_slots()
+                 for c in keras_comm.training.sharded_state.local_components(u)]
+    straight.save_weights(own_path(state_dir, "zero.weights.h5"))
+
+    backup = Path(state_dir) / "zero_backup"
+    first = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    P.set_full_weights(first, start)
+    try:
+        first.fit(dataset(x, y, batch), epochs=1, verbose=0,
+                  callbacks=[po(), Interrupt(), keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    except RuntimeError as e:
+        if "interrupted" not in str(e):
+            raise
+    again = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    again.fit(dataset(x, y, batch), epochs=1, verbose=0,
+              callbacks=[po(), keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    return {
+        "weights_rel": rel(ref.get_weights(), want),
+        "resume_rel": rel(want, P.full_weights(again)),
+        "buffer_length": length,
+        "grouped_slot_sizes": grouped,
+        "held_user_slot_elements": held_user,
+        "optimizer_bytes": cb.state_bytes(breakdown=True)["optimizer"],
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+
+
 def main(state_dir):
     out = {"rank": RANK, "exact": {name: exact(name) for name in CONFIGS}}
     if N == 2:
         out["bn"] = bn_exact()
     out.update(save_and_resume(state_dir))
+    if N == 4:
+        out["zero"] = zero_case(state_dir)
     write_result(out)
 
 
