@@ -202,7 +202,8 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     # 2 stages x 2 data replicas, Adam, 2 micro-batches accumulated per
     # update, ZeRO-1: the weights before the pipeline are ZeRO-sharded over
     # the world; the stage buffer (it carries its own gradient reduction)
-    # is reduced over its data group and updated whole, its moments per stage.
+    # is reduce-scattered over its data group, its moments sharded over it
+    # (test_zero_shards_the_stage_optimizer_state_over_its_data_group).
     # The schedule is 1F1B's interleaved table, under the callback too.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     strategy = make_strategy(4)
@@ -264,8 +265,9 @@ def _held(variable):
 
 
 # ZeRO-1 without accumulation, ZeRO-2 with (its reduce-scatter per
-# micro-batch); ZeRO-1 with accumulation and a resume on real workers
-# (test_pipeline_multiprocess.py). The checkpoints once (ZeRO-1).
+# micro-batch); ZeRO-1 with accumulation in
+# test_parallel_optimizer_accumulates_and_shards_with_a_pipeline and, with a
+# resume, on real workers (test_pipeline_multiprocess.py). The checkpoints once.
 @pytest.mark.parametrize("zero, k", [(1, 1), (2, 2)])
 def test_zero_shards_the_stage_optimizer_state_over_its_data_group(zero, k, tmp_path):
     # 2 data replicas x 2 stages, Adam, 1F1B: ZeRO-1/2 shard the stage
