@@ -12,6 +12,10 @@ import pytest
 import tensorflow as tf
 
 import keras_comm
+from _pipeline_cases import bn_stages
+from _pipeline_cases import bn_unsplit
+from _pipeline_cases import data_group_steps
+from _pipeline_cases import micro_batch_steps
 from conftest import make_strategy
 from keras_comm.callbacks import ParallelOptimizer
 from keras_comm.parallel import ColumnParallelDense
@@ -332,45 +336,14 @@ def test_zero_shards_the_stage_optimizer_state_over_its_data_group(zero, k, tmp_
     _same_h5(tmp_path / "a.weights.h5", tmp_path / "c.weights.h5")
 
 
-def _bn_stages():
-    return [
-        keras.Sequential([keras.layers.Dense(5), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh")]),
-        keras.Sequential([keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6)]),
-    ]
-
-
-def _bn_unsplit():
-    return keras.Sequential([
-        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5),
-        keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh"),
-        keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6),
-    ])
-
-
 def _bn_models(strategy, m, schedule, mesh=None):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), m, schedule, mesh=mesh)])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(bn_stages(), m, schedule, mesh=mesh)])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    ref = _bn_unsplit()
+    ref = bn_unsplit()
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ref.set_weights(full_weights(model))  # the unsplit order: kernel, bias, gamma, beta, moving mean, variance
     return model, ref
-
-
-def _micro_batch_steps(ref, x, y, batch, m):
-    """The unsplit model trained as the pipeline computes: BatchNormalization
-    over each micro-batch, its moving statistics updated micro-batch by
-    micro-batch, one update per global batch (the mean of the micro-batch losses)."""
-    mb = batch // m
-    for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([
-                tf.reduce_mean(tf.square(ref(x[start + i * mb : start + (i + 1) * mb], training=True)
-                                         - y[start + i * mb : start + (i + 1) * mb]))
-                for i in range(m)
-            ]) / m
-        grads = tape.gradient(loss, ref.trainable_variables)
-        ref.optimizer.apply_gradients(zip(grads, ref.trainable_variables))
 
 
 def _close(got, want):
@@ -387,14 +360,14 @@ def test_batch_normalization_inside_stages_trains_exactly(tmp_path):
     model, ref = _bn_models(strategy, 2, "1f1b")
     x, y = _data(8, 6)  # 2 steps of 8
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    _micro_batch_steps(ref, x, y, 8, 2)
+    micro_batch_steps(ref, ref.optimizer, x, y, 8, 2)
     _close(full_weights(model), ref.get_weights())
     assert not np.allclose(ref.layers[2].moving_mean.numpy(), 0)  # the statistics moved
     # predict normalizes with the moving statistics.
     np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), ref.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
     # The statistics are saved with the stages' weights, in the unsplit order.
     model.save_weights(str(tmp_path / "bn.weights.h5"))
-    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), 2)])
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(bn_stages(), 2)])
     local.load_weights(str(tmp_path / "bn.weights.h5"))
     for a, b in zip(full_weights(local), full_weights(model), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -407,20 +380,11 @@ def test_batch_normalization_statistics_agree_over_the_stages_data_group():
     # same on both; the weights follow the mean of all micro-batch losses.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     model, ref = _bn_models(make_strategy(4), 2, "gpipe", mesh=mesh)
-    start = full_weights(model)
     x, y = _data(8, 6)
     x, y = x[:16], y[:16]  # one global batch of 16: per pipeline group 8, micro-batches of 4
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    _micro_batch_steps(ref, x, y, 16, 4)  # 4 micro-batches: group 0's two, then group 1's
-    trained = ref.get_weights()
-    stats = []
-    for group in range(2):
-        ref.set_weights(start)
-        for i in range(2):
-            ref(x[8 * group + 4 * i : 8 * group + 4 * (i + 1)], training=True)
-        stats.append(ref.get_weights())
-    moving = ["moving" in w.path for w in ref.weights]
-    want = [(a + b) / 2 if mv else w for w, a, b, mv in zip(trained, *stats, moving)]
+    data_group_steps(ref, ref.optimizer, x, y, 16, 2, 2)  # per group 8: 2 micro-batches of 4
+    want = ref.get_weights()
     _close(full_weights(model), want)
     # Both replicas of each stage hold the same statistics.
     layer = model.layers[1]
