@@ -12,6 +12,10 @@ import pytest
 import tensorflow as tf
 
 import keras_comm
+from _pipeline_cases import bn_stages
+from _pipeline_cases import bn_unsplit
+from _pipeline_cases import data_group_steps
+from _pipeline_cases import micro_batch_steps
 from conftest import make_strategy
 from keras_comm.callbacks import ParallelOptimizer
 from keras_comm.parallel import ColumnParallelDense
@@ -202,7 +206,8 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     # 2 stages x 2 data replicas, Adam, 2 micro-batches accumulated per
     # update, ZeRO-1: the weights before the pipeline are ZeRO-sharded over
     # the world; the stage buffer (it carries its own gradient reduction)
-    # is reduced over its data group and updated whole, its moments per stage.
+    # is reduce-scattered over its data group, its moments sharded over it
+    # (test_zero_shards_the_stage_optimizer_state_over_its_data_group).
     # The schedule is 1F1B's interleaved table, under the callback too.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     strategy = make_strategy(4)
@@ -229,45 +234,116 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     assert order.index(("backward", 0)) < order.index(("forward", 1))
 
 
-def _bn_stages():
-    return [
-        keras.Sequential([keras.layers.Dense(5), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh")]),
-        keras.Sequential([keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6)]),
-    ]
+def _zero_pipeline_models(strategy, mesh):
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_stages(2), 2, "1f1b", mesh=mesh)])
+        model.compile(optimizer=adam(), loss="mse")
+    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + _stages(2))
+    ref.compile(optimizer=adam(), loss="mse")
+    ref.set_weights(full_weights(model))
+    return model, ref
 
 
-def _bn_unsplit():
-    return keras.Sequential([
-        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5),
-        keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh"),
-        keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6),
-    ])
+def _same_h5(a, b):
+    import h5py
+
+    def arrays(path):
+        out = {}
+        with h5py.File(path, "r") as f:
+            f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset) else None)
+        return out
+
+    want, got = arrays(a), arrays(b)
+    assert sorted(want) == sorted(got) and any("optimizer" in k for k in want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _held(variable):
+    """Elements `variable`'s buffer holds now (0 once released)."""
+    from keras_comm._private import keras_api
+
+    v = keras_api.tf_variable(variable) if not isinstance(variable, tf.Variable) else variable
+    return int(tf.size(v.read_value()))
+
+
+# ZeRO-1 without accumulation, ZeRO-2 with (its reduce-scatter per
+# micro-batch); ZeRO-1 with accumulation in
+# test_parallel_optimizer_accumulates_and_shards_with_a_pipeline and, with a
+# resume, on real workers (test_pipeline_multiprocess.py). The checkpoints once.
+@pytest.mark.parametrize("zero, k", [(1, 1), (2, 2)])
+def test_zero_shards_the_stage_optimizer_state_over_its_data_group(zero, k, tmp_path):
+    # 2 data replicas x 2 stages, Adam, 1F1B: ZeRO-1/2 shard the stage
+    # buffer's moments over the stage's data group (reduce-scatter over the
+    # group, a 1/2 update, all-gather over the group); exact against the
+    # unsplit model, per replica 1/2 of its stage's optimizer state.
+    mesh = Mesh((2, 2), ("data", "pipeline"))
+    strategy = make_strategy(4)
+    model, ref = _zero_pipeline_models(strategy, mesh)
+    x, y = _data(16, WIDTHS[1])  # 32 samples
+    po = ParallelOptimizer(accumulation_steps=k, zero_stage=zero)
+    model.fit(x, y, batch_size=16 // k, epochs=1, shuffle=False, verbose=0, callbacks=[po])
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert po.counts["updates"] == 2
+    assert max(_rel(a, b) for a, b in zip(full_weights(model), ref.get_weights())) <= 1e-5
+    layer = model.layers[1]
+    state = po._engine.state
+    assert [v.path for v in state.grouped] == [layer._buffer.path]
+    # Optimizer-state bytes on each replica's variables: the buffer's two
+    # Adam moments are ceil(L / 2) floats each (L: the buffer, the largest
+    # stage), and the optimizer's own full-size buffer slots hold nothing.
+    length = int(layer._buffer.shape[0])
+    # (The Dense(4) before the pipeline: its kernel and bias ZeRO-sharded over the world.)
+    for replica, pairs in zip(state.replicas, state.slot_pairs):
+        grouped = [int(np.prod(slot.value.shape)) for slot, _, _ in pairs[2]]
+        assert grouped == [-(-length // 2)] * 2
+        plain = sum(int(np.prod(slot.value.shape)) for slot, _, _ in pairs[0])
+        assert plain == 2 * (-(-3 * 4 // 4) + -(-4 // 4))
+        assert sum(_held(m) for m in replica.all_masters()) == 0  # released between updates
+    for user in state.grouped_user_slots():
+        assert [_held(c) for c in keras_comm.training.sharded_state.local_components(user)] == [0] * 4
+    assert po.state_bytes(breakdown=True)["optimizer"] == 4 * (
+        2 * -(-length // 2) + 2 * (-(-3 * 4 // 4) + -(-4 // 4)))
+    if zero == 2:
+        return
+    # The file holds the unsplit optimizer state: the one-process model
+    # loads it and its buffer's moments are the unsplit model's.
+    model.save_weights(str(tmp_path / "a.weights.h5"))
+    model.save(str(tmp_path / "a.keras"))
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_stages(2), 2)])
+    local.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    local.optimizer.build(local.trainable_variables)
+    local.load_weights(str(tmp_path / "a.weights.h5"))
+    for a, b in zip(full_weights(local), full_weights(model)):
+        np.testing.assert_array_equal(a, b)
+    stage_slots = {}
+    for v in ref.optimizer.variables:
+        stage_slots.setdefault(v.name.rsplit("_", 1)[-1], []).append(np.asarray(v))
+    for kind in ("momentum", "velocity"):
+        (got,) = [np.asarray(v) for v in local.optimizer.variables if "stage_weights" in v.name and kind in v.name]
+        want = np.concatenate([np.ravel(a) for a in stage_slots[kind][2:]])  # after the Dense(4)'s
+        assert _rel(got, want) <= 1e-5
+    # .keras: loaded on the same mesh, it writes back the same file contents.
+    with strategy.scope():
+        again = keras.saving.load_model(str(tmp_path / "a.keras"))
+    again.save_weights(str(tmp_path / "b.weights.h5"))
+    _same_h5(tmp_path / "a.weights.h5", tmp_path / "b.weights.h5")
+    # A load into the running state (its slots are the callback's: each
+    # replica cuts its data-group shard of its stage) gathers back the same file.
+    model.load_weights(str(tmp_path / "b.weights.h5"))
+    model.save_weights(str(tmp_path / "c.weights.h5"))
+    _same_h5(tmp_path / "a.weights.h5", tmp_path / "c.weights.h5")
 
 
 def _bn_models(strategy, m, schedule, mesh=None):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), m, schedule, mesh=mesh)])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(bn_stages(), m, schedule, mesh=mesh)])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    ref = _bn_unsplit()
+    ref = bn_unsplit()
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ref.set_weights(full_weights(model))  # the unsplit order: kernel, bias, gamma, beta, moving mean, variance
     return model, ref
-
-
-def _micro_batch_steps(ref, x, y, batch, m):
-    """The unsplit model trained as the pipeline computes: BatchNormalization
-    over each micro-batch, its moving statistics updated micro-batch by
-    micro-batch, one update per global batch (the mean of the micro-batch losses)."""
-    mb = batch // m
-    for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([
-                tf.reduce_mean(tf.square(ref(x[start + i * mb : start + (i + 1) * mb], training=True)
-                                         - y[start + i * mb : start + (i + 1) * mb]))
-                for i in range(m)
-            ]) / m
-        grads = tape.gradient(loss, ref.trainable_variables)
-        ref.optimizer.apply_gradients(zip(grads, ref.trainable_variables))
 
 
 def _close(got, want):
@@ -284,14 +360,14 @@ def test_batch_normalization_inside_stages_trains_exactly(tmp_path):
     model, ref = _bn_models(strategy, 2, "1f1b")
     x, y = _data(8, 6)  # 2 steps of 8
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    _micro_batch_steps(ref, x, y, 8, 2)
+    micro_batch_steps(ref, ref.optimizer, x, y, 8, 2)
     _close(full_weights(model), ref.get_weights())
     assert not np.allclose(ref.layers[2].moving_mean.numpy(), 0)  # the statistics moved
     # predict normalizes with the moving statistics.
     np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0), ref.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
     # The statistics are saved with the stages' weights, in the unsplit order.
     model.save_weights(str(tmp_path / "bn.weights.h5"))
-    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_bn_stages(), 2)])
+    local = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(bn_stages(), 2)])
     local.load_weights(str(tmp_path / "bn.weights.h5"))
     for a, b in zip(full_weights(local), full_weights(model), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -304,20 +380,11 @@ def test_batch_normalization_statistics_agree_over_the_stages_data_group():
     # same on both; the weights follow the mean of all micro-batch losses.
     mesh = Mesh((2, 2), ("data", "pipeline"))
     model, ref = _bn_models(make_strategy(4), 2, "gpipe", mesh=mesh)
-    start = full_weights(model)
     x, y = _data(8, 6)
     x, y = x[:16], y[:16]  # one global batch of 16: per pipeline group 8, micro-batches of 4
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    _micro_batch_steps(ref, x, y, 16, 4)  # 4 micro-batches: group 0's two, then group 1's
-    trained = ref.get_weights()
-    stats = []
-    for group in range(2):
-        ref.set_weights(start)
-        for i in range(2):
-            ref(x[8 * group + 4 * i : 8 * group + 4 * (i + 1)], training=True)
-        stats.append(ref.get_weights())
-    moving = ["moving" in w.path for w in ref.weights]
-    want = [(a + b) / 2 if mv else w for w, a, b, mv in zip(trained, *stats, moving)]
+    data_group_steps(ref, ref.optimizer, x, y, 16, 2, 2)  # per group 8: 2 micro-batches of 4
+    want = ref.get_weights()
     _close(full_weights(model), want)
     # Both replicas of each stage hold the same statistics.
     layer = model.layers[1]

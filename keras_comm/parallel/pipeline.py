@@ -25,6 +25,7 @@ from keras_comm.parallel import schedules
 from keras_comm.parallel import sharded
 from keras_comm.training import nontrainable
 from keras_comm.training import reduction
+from keras_comm.training import sharded_state
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -410,6 +411,10 @@ class Pipeline(_common.ParallelLayer):
             trainable=True,
         )
         reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
+        # The hook is one sum over the stage's data group (no tensor-parallel
+        # stage weights): ParallelOptimizer(zero_stage>=1) shards the
+        # buffer's optimizer state over that group.
+        sharded_state.set_data_group(self._buffer, self._data_group)
         sharded.register_composite(self._buffer, self)
         if n > 1 or self._tp_axes:
             # The buffer's optimizer slots (momentum, Adam moments) differ by
@@ -602,6 +607,12 @@ class Pipeline(_common.ParallelLayer):
         covered = np.any(list(masks.values()), axis=0)
         masks.setdefault(plain, np.zeros(length, np.bool_))[~covered] = True  # the padding
         return [(self._fixed_axes_group(rank, key), masks[key]) for key in sorted(masks)]
+
+    def _data_group(self, rank):
+        """The replicas whose buffer gradients `_reduce_gradient` sums for
+        `rank` when that is one sum (no tensor-parallel stage weights), else None."""
+        parts = self._reduction_parts(rank)
+        return parts[0][0] if len(parts) == 1 else None
 
     def _output_spec(self, s, stage, shape, dtype):
         try:

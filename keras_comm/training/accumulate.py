@@ -12,7 +12,9 @@ The replica steps `ParallelOptimizer` compiles through
    reduced over the replicas -- all-reduce (zero_stage 0), reduce-scatter
    (zero_stage 1) or already done (zero_stage 2) -- scaled by 1/k for a mean
    over k micro-batches; hooked variables through their own reduction
-   (`keras_comm.training.reduction`).
+   (`keras_comm.training.reduction`), group-sharded ones (a pipeline stage
+   buffer under zero_stage >= 1, see `sharded_state`) reduce-scattered over
+   their data group instead.
 4. `apply_update`: unscale and check the loss scale, clip, decay, and the
    optimizer maths on this replica's shard of the masters. No collectives.
 5. The full weights back on every replica (one all-gather when sharded).
@@ -137,12 +139,14 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat = self._contribution(grads)
+        packed, flat, grouped = self._contribution(grads)
         if packed is not None:
             replica.acc.assign_add(packed)
         if flat is not None:
             replica.hooked_acc.assign_add(flat)
-        nontrainable.sync(self.state.model, after=[packed, flat])
+        if grouped is not None:
+            replica.group_acc.assign_add(grouped)
+        nontrainable.sync(self.state.model, after=[packed, flat, grouped])
         return result.metrics(self.state.model)
 
     def apply_step(self, data):
@@ -150,12 +154,14 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat = self._contribution(grads, accumulate=replica.acc is not None)
+        packed, flat, grouped = self._contribution(grads, accumulate=replica.acc is not None)
         if replica.acc is not None:
             packed = replica.acc.read_value() + packed
         if replica.hooked_acc is not None:
             flat = replica.hooked_acc.read_value() + flat
-        self._update(replica, packed, flat)
+        if replica.group_acc is not None:
+            grouped = replica.group_acc.read_value() + grouped
+        self._update(replica, packed, flat, grouped)
         nontrainable.sync(self.state.model)
         return result.metrics(self.state.model)
 
@@ -166,6 +172,7 @@ class AccumulateStep:
             replica,
             replica.acc.read_value() if replica.acc is not None else None,
             replica.hooked_acc.read_value() if replica.hooked_acc is not None else None,
+            replica.group_acc.read_value() if replica.group_acc is not None else None,
         )
         return tf.constant(0)
 
@@ -180,6 +187,12 @@ class AccumulateStep:
             return packed
         return _collective.run(lambda: _collective.reduce_scatter(packed, call))
 
+    def _group_call(self, k):
+        """The collective call over group-sharded variable k's data group."""
+        s = self.state
+        rank = self._call().replica.rank
+        return _collective.resolve(group=s.group_of[k](rank), name=COLLECTIVE_NAME)
+
     def _record_norms(self, replica, grads):
         if replica.norms is not None:
             replica.norms.assign(
@@ -188,13 +201,15 @@ class AccumulateStep:
 
     def _contribution(self, grads, accumulate=True):
         """What one micro-batch adds to the accumulation buffers:
-        ``(plain or None, hooked or None)``.
+        ``(plain or None, hooked or None, group-sharded or None)``.
 
         Plain gradients are packed shard-major (`sharding.pack`) when they go
         into a buffer; zero_stage 2 reduce-scatters them at once, bucket by
         bucket. With nothing to accumulate into (`accumulate=False`, no
         buffer) zero_stage 0/1 return the list of gradients, which `_update`
-        packs one bucket at a time: no full-size packed copy.
+        packs one bucket at a time: no full-size packed copy. Group-sharded
+        gradients are flattened and padded to a multiple of their group's
+        size d; zero_stage 2 reduce-scatters them over the group at once.
         """
         s = self.state
         plain = [grads[i] for i in s.plain_index]
@@ -215,7 +230,21 @@ class AccumulateStep:
         flat = None
         if hooked:
             flat = tf.concat([tf.reshape(g, [-1]) for g in hooked], 0)
-        return packed, flat
+        grouped = None
+        if s.grouped:
+            pieces = []
+            for k, (i, layout) in enumerate(zip(s.grouped_index, s.group_layouts)):
+                padded = sharding.flatten_padded(
+                    grads[i], layout.sizes[0], layout.num_shards, tf.float32
+                )
+                if s.zero_stage == 2:
+                    call = self._group_call(k)
+                    padded = _collective.run(
+                        lambda padded=padded, call=call: _collective.reduce_scatter(padded, call)
+                    )
+                pieces.append(padded)
+            grouped = tf.concat(pieces, 0)
+        return packed, flat, grouped
 
     def _bucket(self, contribution, bucket):
         """Bucket `bucket`'s packed gradient: from the list of gradients, or
@@ -231,10 +260,14 @@ class AccumulateStep:
         rows = tf.reshape(contribution, [s.num_shards, s.layout.shard_total])
         return tf.reshape(rows[:, start:start + sub.shard_total], [sub.packed_size])
 
-    def _update(self, replica, contribution, hooked_contribution):
+    def _update(self, replica, contribution, hooked_contribution, grouped_contribution=None):
         s = self.state
         call = self._call()
-        for acc, c in ((replica.acc, contribution), (replica.hooked_acc, hooked_contribution)):
+        for acc, c in (
+            (replica.acc, contribution),
+            (replica.hooked_acc, hooked_contribution),
+            (replica.group_acc, grouped_contribution),
+        ):
             if acc is not None:
                 with tf.control_dependencies(c if isinstance(c, list) else [c]):
                     acc.assign(tf.zeros_like(acc))
@@ -284,12 +317,36 @@ class AccumulateStep:
                     local_variable(master),
                     tf.reshape(tf.cast(local_variable(v).read_value(), tf.float32), [-1]),
                 )
+        # Group-sharded variables: reduce-scattered over their data group
+        # (zero_stage 1; zero_stage 2 did it per micro-batch), the shard
+        # updated here and all-gathered over the group after the update.
+        group_calls = [self._group_call(k) for k in range(len(s.grouped))]
+        if s.grouped:
+            sizes = [
+                gl.shard_total if s.zero_stage == 2 else gl.packed_size for gl in s.group_layouts
+            ]
+            pieces = tf.split(grouped_contribution, sizes)
+            for piece, v, layout, gcall, master in zip(
+                pieces, s.grouped, s.group_layouts, group_calls, replica.grouped_masters
+            ):
+                if s.zero_stage != 2:
+                    piece = _collective.run(
+                        lambda piece=piece, gcall=gcall: _collective.reduce_scatter(piece, gcall)
+                    )
+                grads.append(piece * scale)
+                index = gcall.group.index(gcall.replica.rank)
+                fill(
+                    local_variable(master),
+                    sharding.local_shards(
+                        [local_variable(v).read_value()], layout, index, tf.float32
+                    )[0],
+                )
         # 3. The optimizer update, on this replica's shard.
         if s.lso is not None:
             loss_scale = tf.cast(s.lso.dynamic_scale, tf.float32)
             grads = [g / loss_scale for g in grads]
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-            if (s.num_shards > 1 or s.hooked) and not call.trivial:
+            if (s.num_shards > 1 or s.hooked or s.grouped) and not call.trivial:
                 flag = tf.cast(finite, tf.float32)
                 flag = _collective.run(lambda: _collective.all_reduce(flag, call, op="min"))
                 finite = flag > 0.5
@@ -319,16 +376,21 @@ class AccumulateStep:
                     _write(v, tf.reshape(m.value, v.shape))
         for v, m in zip(s.hooked, replica.hooked_masters):
             _write(v, tf.reshape(m.value, v.shape))
+        for v, m, layout, gcall in zip(s.grouped, replica.grouped_masters, s.group_layouts, group_calls):
+            gathered = _collective.run(
+                lambda m=m, gcall=gcall: _collective.all_gather(m.value, gcall)
+            )
+            _write(v, sharding.unpack(gathered, layout, [v.shape])[0])
 
     def _apply(self, replica, grads):
         s = self.state
         return apply_update(
             s.user_inner,
             replica.inner,
-            replica.masters + replica.hooked_masters,
+            replica.all_masters(),
             grads,
-            s.variables + s.hooked,
-            whole_gradients=s.num_shards == 1 and not s.hooked,
+            s.variables + s.hooked + s.grouped,
+            whole_gradients=s.num_shards == 1 and not s.hooked and not s.grouped,
         )
 
     def _finite_update(self, replica, grads):
@@ -359,6 +421,17 @@ class AccumulateStep:
                     # would stay alive through it after the release.
                     fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))
             sharded_state.release(user)
+        # Group-sharded: each replica's component is its own (a stage's);
+        # its slot keeps the data-group shard of that component.
+        for k, user in enumerate(s.grouped_user_slots()):
+            components = sharded_state.local_components(user)
+            for r, replica in enumerate(s.replicas):
+                slot, _, i = s.slot_pairs[r][2][k]
+                component = components[r if len(components) > 1 else 0]
+                with tf.device(replica.device):
+                    fill(local_variable(slot), tf.raw_ops.DeepCopy(
+                        x=self._group_shard(i, ranks[r], component.read_value())))
+            sharded_state.release(user)
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
                 components = sharded_state.local_components(user)
@@ -366,6 +439,35 @@ class AccumulateStep:
                 with tf.device(replica.device):
                     fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
         s.owns_slots = True
+
+    def _group_shard(self, i, rank, full):
+        """Replica `rank`'s data-group shard of group-sharded variable `i`'s
+        (local, whole) value `full`."""
+        s = self.state
+        group = s.group_of[s.grouped_index.index(i)](rank)
+        layout = s.group_layout_of(i)
+        return sharding.local_shards([full], layout, group.index(rank), tf.float32)[0]
+
+    def gather_group_slot(self, k, across_model=True):
+        """Group-sharded slot pair `k`: this replica's whole slot (an
+        all-gather over the data group), then, with `across_model`, gathered
+        over the variable's `ShardSpec` model group (the other stages)."""
+        from keras_comm.parallel import _common  # keras_comm.parallel imports training
+        from keras_comm.parallel import sharded
+
+        s = self.state
+        slot, user, i = s.slot_pairs[s.current_index()][2][k]
+        call = self._group_call(s.grouped_index.index(i))
+        gathered = _collective.run(
+            lambda: _collective.all_gather(tf.cast(slot.value, tf.float32), call)
+        )
+        whole = sharding.unpack(gathered, s.group_layout_of(i), [user.shape])[0]
+        spec = sharded.shard_spec(s.all_variables[i])
+        if across_model and spec is not None and spec.num_shards > 1:
+            whole = _common.gather_along(
+                whole, spec.shard_axis, spec.model_group(), name=COLLECTIVE_NAME
+            )
+        return tf.cast(whole, user.dtype)
 
     def sync_hooked_slots(self):
         """Host side: the user's slots of hooked variables (not released, saved
@@ -421,15 +523,45 @@ class ExternalSlots:
         s = engine.state
         self.engine = engine
         self._index = {id(user): k for k, user in enumerate(s.user_slots())}
+        # Slots of group-sharded variables (a pipeline stage buffer).
+        self._group_index = {id(user): k for k, user in enumerate(s.grouped_user_slots())}
         self._gathers = {}
 
     def owns(self, variable):
-        return id(variable) in self._index
+        return id(variable) in self._index or id(variable) in self._group_index
 
     def _strategy(self):
         return self.engine.state.strategy
 
+    def _group_gather(self, k, across_model):
+        key = ("group", k, across_model)
+        fn = self._gathers.get(key)
+        if fn is None:
+            fn = step.compile_replica_call(
+                self._strategy(),
+                lambda: self.engine.gather_group_slot(k, across_model),
+                "ParallelOptimizer's checkpoint gather",
+            )
+            self._gathers[key] = fn
+        return [np.asarray(t) for t in self._strategy().experimental_local_results(fn())]
+
+    def _group_value(self, variable):
+        """The file's value of a group-sharded slot: the variable's full value
+        (its `ShardSpec`'s, e.g. every stage's in the unsplit layout)."""
+        from keras_comm.parallel import sharded
+
+        s = self.engine.state
+        k = self._group_index[id(variable)]
+        i = s.slot_pairs[0][2][k][2]
+        spec = sharded.shard_spec(s.all_variables[i])
+        value = self._group_gather(k, True)[0]
+        if spec is not None and spec.num_shards > 1 and hasattr(spec, "to_full"):
+            value = spec.to_full(value)
+        return value
+
     def value(self, variable):
+        if id(variable) in self._group_index:
+            return self._group_value(variable)
         k = self._index[id(variable)]
         fn = self._gathers.get(k)
         if fn is None:
@@ -453,13 +585,42 @@ class ExternalSlots:
             for component in sharded_state.local_components(user):
                 with tf.device(component.device):
                     fill(component, tf.constant(value))
+        for k, user in enumerate(s.grouped_user_slots()):
+            # Each local replica's own whole slot (they differ by stage).
+            values = self._group_gather(k, False)
+            for component, value in zip(sharded_state.local_components(user), values):
+                with tf.device(component.device):
+                    fill(component, tf.constant(value))
         for opt in sharded_state.user_optimizers(s.optimizer):
             if opt is not None:
                 _checkpoint.register_external_slots(opt, None)
         s.owns_slots = False
         self.engine.external = None
 
+    def _group_assign(self, variable, value):
+        from keras_comm.parallel import sharded
+
+        s = self.engine.state
+        k = self._group_index[id(variable)]
+        i = s.slot_pairs[0][2][k][2]
+        spec = sharded.shard_spec(s.all_variables[i])
+        value = np.asarray(value)
+        want = tuple(spec.full_shape) if spec is not None else tuple(variable.shape)
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"Optimizer slot {variable.path!r} holds a full value of shape {want} "
+                "in a file. Received: value of shape "
+                f"{tuple(value.shape)}"
+            )
+        for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.engine.ranks()):
+            own = value if spec is None else spec.slice(value, spec.shard_index(rank))
+            with tf.device(replica.device):
+                piece = self.engine._group_shard(i, rank, tf.constant(np.ravel(own), tf.float32))
+                fill(local_variable(pairs[2][k][0]), tf.raw_ops.DeepCopy(x=piece))
+
     def assign(self, variable, value):
+        if id(variable) in self._group_index:
+            return self._group_assign(variable, value)
         s = self.engine.state
         k = self._index[id(variable)]
         value = np.asarray(value)

@@ -50,6 +50,17 @@ else of the optimizer:
 
 Slots of hooked variables (whole, per replica) are not released: the
 user's slot and the clone's are both held (counted by `nbytes`).
+
+*Group-sharded* variables: a hooked variable whose hook is one sum over a
+group of replicas (its *data group*, declared with `set_data_group`: a
+`keras_comm.parallel.Pipeline` stage buffer, summed over the replicas
+running the same stage) is, for zero_stage >= 1, sharded over that group
+instead of kept whole: its gradient is reduce-scattered over the group
+(in place of the hook), each replica updates its 1/d shard (``grouped_masters``
+and the clone's slots of that size, ``group_acc`` for accumulation) and the
+group all-gathers the new value. Its user slots are released and served to
+checkpoints like the plain ones (gathered over the data group, then over
+the variable's own `ShardSpec` model group).
 """
 
 import concurrent.futures
@@ -61,6 +72,26 @@ from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 from keras_comm.training import sharding
 from keras_comm.training import reduction
+
+
+#: Attribute of the tf.Variable holding its data group (see `set_data_group`).
+DATA_GROUP_ATTR = "_keras_comm_data_group"
+
+
+def set_data_group(variable, group_of):
+    """Declares that `variable`'s gradient hook is one SUM over a group.
+
+    `group_of(rank)` returns the `topology.Group` of replicas whose
+    gradients the hook sums for replica `rank` (or None when the hook is
+    not one such sum). `ParallelOptimizer` with zero_stage >= 1 then shards
+    the variable's optimizer state over that group (module docstring).
+    """
+    setattr(keras_api.tf_variable(variable), DATA_GROUP_ATTR, group_of)
+
+
+def data_group(variable):
+    """The `group_of` `variable` declared with `set_data_group`, or None."""
+    return getattr(keras_api.tf_variable(variable), DATA_GROUP_ATTR, None)
 
 
 def local_variable(variable):
@@ -130,7 +161,8 @@ def fill(variable, value):
 class ReplicaState:
     """Variables one local replica holds (see the module docstring)."""
 
-    def __init__(self, device, layout, plain_index, hooked, config, acc_size, num_norms):
+    def __init__(self, device, layout, plain_index, hooked, config, acc_size, num_norms,
+                 grouped=(), group_acc_size=0):
         self.device = device
         with tf.device(device):
             self.masters = [
@@ -147,8 +179,18 @@ class ReplicaState:
                 )
                 for i, v in hooked
             ]
+            # Group-sharded variables: this replica's 1/d shard (`grouped`:
+            # ``(index, variable, Layout over the data group)``).
+            self.grouped_masters = [
+                keras.Variable(
+                    tf.zeros([glayout.shard_total], tf.float32),
+                    trainable=False,
+                    name=f"kc_master_{i}",
+                )
+                for i, _, glayout in grouped
+            ]
             self.inner = config["class"].from_config(config["config"])
-            self.inner.build(self.masters + self.hooked_masters)
+            self.inner.build(self.masters + self.hooked_masters + self.grouped_masters)
             self.acc = (
                 tf.Variable(tf.zeros([acc_size], tf.float32), trainable=False)
                 if acc_size and layout.sizes
@@ -158,6 +200,11 @@ class ReplicaState:
             self.hooked_acc = (
                 tf.Variable(tf.zeros([hooked_size], tf.float32), trainable=False)
                 if acc_size and hooked_size
+                else None
+            )
+            self.group_acc = (
+                tf.Variable(tf.zeros([group_acc_size], tf.float32), trainable=False)
+                if group_acc_size
                 else None
             )
             self.norms = (
@@ -175,8 +222,12 @@ class ReplicaState:
 
     def release_masters(self):
         """Host side, after an update: the masters' memory back to the allocator."""
-        for m in self.masters + self.hooked_masters:
+        for m in self.all_masters():
             release(m)
+
+    def all_masters(self):
+        """Masters in update order: plain, hooked (whole), group-sharded."""
+        return self.masters + self.hooked_masters + self.grouped_masters
 
     def slot_variables(self):
         skip = {id(self.inner.iterations)}
@@ -190,9 +241,11 @@ class ReplicaState:
         an update runs) and accumulation buffers."""
         return {
             "optimizer": sum(_nbytes(v) for v in self.slot_variables()),
-            "master": sum(_nbytes(v) for v in self.masters + self.hooked_masters),
+            "master": sum(_nbytes(v) for v in self.all_masters()),
             "accumulation": sum(
-                _nbytes(v) for v in (self.acc, self.hooked_acc) if v is not None
+                _nbytes(v)
+                for v in (self.acc, self.hooked_acc, self.group_acc)
+                if v is not None
             ),
         }
 
@@ -221,11 +274,32 @@ class ShardedState:
         self.all_variables = list(model.trainable_variables)
         hooks = [reduction.gradient_hook(v) for v in self.all_variables]
         self.plain_index = [i for i, h in enumerate(hooks) if h is None]
-        self.hooked_index = [i for i, h in enumerate(hooks) if h is not None]
+        self.num_shards = self.world if zero_stage >= 1 else 1
+        # Hooked variables with a data group: sharded over it (zero_stage >= 1).
+        self.grouped_index, self.group_of = [], []
+        if self.num_shards > 1:
+            for i, h in enumerate(hooks):
+                group_of = data_group(self.all_variables[i]) if h is not None else None
+                sizes = (
+                    {(group_of(r).size if group_of(r) is not None else 1) for r in range(self.world)}
+                    if group_of is not None
+                    else set()
+                )
+                # Every replica's group of one size d > 1 (a mesh axis).
+                if len(sizes) == 1 and min(sizes) > 1:
+                    self.grouped_index.append(i)
+                    self.group_of.append(group_of)
+        self.hooked_index = [
+            i for i, h in enumerate(hooks) if h is not None and i not in self.grouped_index
+        ]
         self.variables = [self.all_variables[i] for i in self.plain_index]
         self.hooked = [self.all_variables[i] for i in self.hooked_index]
         self.hooks = [hooks[i] for i in self.hooked_index]
-        self.num_shards = self.world if zero_stage >= 1 else 1
+        self.grouped = [self.all_variables[i] for i in self.grouped_index]
+        self.group_layouts = [
+            sharding.Layout((prod(v.shape),), g(0).size)
+            for v, g in zip(self.grouped, self.group_of)
+        ]
         self.layout = sharding.Layout(
             tuple(prod(v.shape) for v in self.variables), self.num_shards
         )
@@ -248,11 +322,20 @@ class ShardedState:
         num_norms = len(self.all_variables) if dump_local_norm else 0
         self.devices = self._local_devices()
         hooked = list(zip(self.hooked_index, self.hooked))
+        grouped = list(zip(self.grouped_index, self.grouped, self.group_layouts))
+        # zero_stage 1 accumulates the padded full gradient (reduce-scattered
+        # at the update), zero_stage 2 the reduce-scattered shard.
+        group_acc_size = 0
+        if accumulation_steps > 1 and grouped:
+            group_acc_size = sum(
+                gl.shard_total if zero_stage == 2 else gl.packed_size
+                for gl in self.group_layouts
+            )
 
         def create():
             return [
                 ReplicaState(d, self.layout, self.plain_index, hooked, config,
-                             acc_size, num_norms)
+                             acc_size, num_norms, grouped, group_acc_size)
                 for d in self.devices
             ]
 
@@ -278,8 +361,8 @@ class ShardedState:
     def _match_slots(self):
         """Pairs each clone slot with the user's full-size slot (by name).
 
-        Sets ``self.slot_pairs``: per local replica, ``(sharded, hooked)``
-        lists of ``(clone_slot, user_slot, variable_index)``, and
+        Sets ``self.slot_pairs``: per local replica, ``(sharded, hooked,
+        group-sharded)`` lists of ``(clone_slot, user_slot, variable_index)``, and
         ``self.slot_layout``, the layout of the sharded slots.
         """
         user_slots = {}
@@ -288,9 +371,10 @@ class ShardedState:
             if id(v) not in skip:
                 user_slots[v.name] = v
         plain = set(self.plain_index)
+        grouped_set = set(self.grouped_index)
         self.slot_pairs = []
         for state in self.replicas:
-            sharded, whole = [], []
+            sharded, whole, grouped = [], [], []
             for slot in state.slot_variables():
                 prefix, _, rest = slot.name.partition("kc_master_")
                 index_text, _, suffix = rest.partition("_")
@@ -313,8 +397,10 @@ class ShardedState:
                         f"{name!r} of shape {tuple(var.shape)}. Received: "
                         f"optimizer={type(self.user_inner).__name__}"
                     )
-                (sharded if i in plain else whole).append((slot, user, i))
-            self.slot_pairs.append((sharded, whole))
+                (sharded if i in plain else grouped if i in grouped_set else whole).append(
+                    (slot, user, i)
+                )
+            self.slot_pairs.append((sharded, whole, grouped))
         sharded = self.slot_pairs[0][0]
         self.slot_layout = sharding.Layout(
             tuple(prod(self.all_variables[i].shape) for _, _, i in sharded),
@@ -333,7 +419,10 @@ class ShardedState:
             and [id(v) for v in model.trainable_variables]
             == [id(v) for v in self.all_variables]
             and [reduction.gradient_hook(v) is not None for v in model.trainable_variables]
-            == [i in set(self.hooked_index) for i in range(len(self.all_variables))]
+            == [
+                i in set(self.hooked_index + self.grouped_index)
+                for i in range(len(self.all_variables))
+            ]
         )
 
     # --- per replica (inside strategy.run) ----------------------------------
@@ -367,6 +456,14 @@ class ShardedState:
         """The user optimizer's slots that this state shards (and releases)."""
         return [user for _, user, _ in self.slot_pairs[0][0]]
 
+    def grouped_user_slots(self):
+        """The user optimizer's slots of group-sharded variables (released too)."""
+        return [user for _, user, _ in self.slot_pairs[0][2]]
+
+    def group_layout_of(self, i):
+        """The data-group `Layout` of group-sharded variable `i` (model index)."""
+        return self.group_layouts[self.grouped_index.index(i)]
+
     def release_masters(self):
         for r in self.replicas:
             r.release_masters()
@@ -386,6 +483,7 @@ class ShardedState:
         if lr is not None:
             skip.add(id(lr))
         skip.update(id(u) for u in self.user_slots())
+        skip.update(id(u) for u in self.grouped_user_slots())
         parts["optimizer"] += sum(
             _nbytes(v) for v in self.user_inner.variables if id(v) not in skip
         )

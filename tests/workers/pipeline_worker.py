@@ -1,21 +1,26 @@
 """Worker: `keras_comm.parallel.Pipeline` across real worker processes.
 
-Usage: pipeline_worker.py STATE_DIR. One launch runs every check (one
-replica per worker):
+Usage: pipeline_worker.py STATE_DIR, on 4 workers. One launch runs every
+check (one replica per worker):
 
 - exact: each configuration (CONFIGS: stages, micro-batches, schedule,
   mesh) trains with `model.fit` and is compared (full weights, gathered)
   with the unsplit model trained in this process without a strategy on the
   same global batches; `evaluate` and `predict` are compared too;
-- bn (2 workers): stages holding BatchNormalization, 1F1B, against the
-  unsplit model trained micro-batch by micro-batch (the moving statistics
-  included, and predict, which normalizes with them);
+- bn: stages holding BatchNormalization, 1F1B on a 2 x 2 data x pipeline
+  mesh, against the unsplit model trained micro-batch by micro-batch (the
+  moving statistics, averaged over each stage's data group, included, and
+  predict, which normalizes with them);
 - bytes: this worker's trainable parameters (the buffer component) and its
   own stage's size;
 - save: `save_weights` and `.keras` (the chief to STATE_DIR, others to a path
   of their own), reloaded by the test in one process;
 - resume: fit interrupted at global step 3 with BackupAndRestore, then a
   fresh model fits from the backup; its weights equal an uninterrupted run's.
+- zero: 2 data x 2 stages under ParallelOptimizer(zero_stage=1,
+  accumulation_steps=2), Adam: the stage buffer's moments sharded over the
+  stage's data group; exact against the unsplit model, the optimizer state
+  a worker holds, peak RSS, and a resume with BackupAndRestore.
 """
 
 import sys
@@ -32,6 +37,9 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
+from _pipeline_cases import bn_stages  # noqa: E402
+from _pipeline_cases import bn_unsplit  # noqa: E402
+from _pipeline_cases import data_group_steps  # noqa: E402
 from _shared import rel  # noqa: E402
 from keras_comm import parallel as P  # noqa: E402
 
@@ -41,25 +49,24 @@ CHIEF = RANK == 0
 WIDTHS = (5, 6, 4, 7)
 STEPS = 2
 
-# name: (stages, micro-batches, schedule, mesh shape (data, pipeline) or None)
+# name: (stages, micro-batches, schedule, mesh shape (data, pipeline) or None).
+# One launch of 4 workers (the suite's cost: a second launch of 2 workers
+# cost more than its cases): the 2-stage cases on a 2 x 2 data x pipeline
+# mesh, each stage's replicas on two processes.
 CONFIGS = {
-    2: {
-        "p2_m1_gpipe": (2, 1, "gpipe", None),
-        "p2_m4_1f1b": (2, 4, "1f1b", None),
-        "p2_m8_gpipe": (2, 8, "gpipe", None),
-        "p2_m2_1f1b_post": (2, 2, "1f1b", None),
-    },
-    4: {
-        "p4_m8_1f1b": (4, 8, "1f1b", None),
-        "p4_m2_gpipe": (4, 2, "gpipe", None),
-        "p2x2_m2_1f1b": (2, 2, "1f1b", (2, 2)),
-        # Stage 0 tensor-parallel over a "model" axis (mesh pipeline x model).
-        "p2xtp2_m2_gpipe": (2, 2, "gpipe", "tp"),
-    },
-}[N]
+    "p4_m8_1f1b": (4, 8, "1f1b", None),  # first: saved and resumed (save_and_resume)
+    "p4_m2_gpipe": (4, 2, "gpipe", None),
+    "p2x2_m1_gpipe": (2, 1, "gpipe", (2, 2)),
+    "p2x2_m4_1f1b": (2, 4, "1f1b", (2, 2)),
+    "p2x2_m8_gpipe": (2, 8, "gpipe", (2, 2)),
+    "p2x2_m2_1f1b_post": (2, 2, "1f1b", (2, 2)),
+    # Stage 0 tensor-parallel over a "model" axis (mesh pipeline x model).
+    "p2xtp2_m2_gpipe": (2, 2, "gpipe", "tp"),
+}
+assert N == 4, N
 
 
-TP_MESH = P.Mesh((2, 2), ("pipeline", "model")) if N == 4 else None
+TP_MESH = P.Mesh((2, 2), ("pipeline", "model"))
 
 
 def stages(p, mesh=None):
@@ -153,33 +160,17 @@ def exact(name):
 
 
 def bn_exact():
-    """BatchNormalization in both stages, 2 stages x 2 micro-batches, 1F1B's step."""
-    m, batch = 2, 8  # global batch 8: micro-batches of 4
+    """BatchNormalization in both stages, 2 data x 2 stages, 2 micro-batches, 1F1B's step."""
+    m, batch = 2, 16  # global batch 16: per pipeline group 8, micro-batches of 4
     with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), P.Pipeline([
-            keras.Sequential([keras.layers.Dense(5), keras.layers.BatchNormalization(momentum=0.5),
-                              keras.layers.Activation("tanh")]),
-            keras.Sequential([keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6)]),
-        ], m, "1f1b")])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                                  P.Pipeline(bn_stages(), m, "1f1b", mesh=P.Mesh((2, 2), ("data", "pipeline")))])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    ref = keras.Sequential([
-        keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5),
-        keras.layers.BatchNormalization(momentum=0.5), keras.layers.Activation("tanh"),
-        keras.layers.BatchNormalization(momentum=0.7), keras.layers.Dense(6),
-    ])
+    ref = bn_unsplit()
     ref.set_weights(P.full_weights(model))  # kernel, bias, gamma, beta, moving mean, variance, ...
-    opt = keras.optimizers.SGD(0.1)
     x, y = data(batch, 6)
     model.fit(dataset(x, y, batch), epochs=1, verbose=0)
-    mb = batch // m
-    for start in range(0, len(x), batch):  # the unsplit model as the pipeline computes
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([
-                tf.reduce_mean(tf.square(ref(x[start + i * mb : start + (i + 1) * mb], training=True)
-                                         - y[start + i * mb : start + (i + 1) * mb]))
-                for i in range(m)
-            ]) / m
-        opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
+    data_group_steps(ref, keras.optimizers.SGD(0.1), x, y, batch, m, 2)
     got, want = P.full_weights(model), ref.get_weights()
     moving = ["moving" in w.path for w in ref.weights]
     return {
@@ -235,11 +226,63 @@ def save_and_resume(state_dir):
     }
 
 
+def zero_case(state_dir):
+    """ZeRO-1 of the stage buffer over its data group, 1F1B on a (2, 2) mesh."""
+    import resource
+
+    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    k, batch = 2, 8  # 2 micro-batches of 8 accumulated per update
+    x, y = data(batch * k, WIDTHS[1])
+    x, y = np.concatenate([x] * 2), np.concatenate([y] * 2)  # 8 micro-steps: 4 updates
+
+    def po():
+        return keras_comm.callbacks.ParallelOptimizer(accumulation_steps=k, zero_stage=1)
+
+    straight = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    start = P.full_weights(straight)
+    cb = po()
+    straight.fit(dataset(x, y, batch), epochs=1, verbose=0, callbacks=[cb])
+    want = P.full_weights(straight)
+    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + unsplit_stages(2))
+    ref.compile(optimizer=adam(), loss="mse")
+    ref.set_weights(start)
+    ref.fit(x, y, batch_size=batch * k, epochs=1, shuffle=False, verbose=0)
+    state = cb._engine.state
+    layer = straight.layers[1]
+    length = int(layer._buffer.shape[0])
+    grouped = [int(np.prod(slot.value.shape)) for slot, _, _ in state.slot_pairs[0][2]]
+    held_user = [int(tf.size(c.read_value())) for u in state.grouped_user_slots()
+                 for c in keras_comm.training.sharded_state.local_components(u)]
+    straight.save_weights(own_path(state_dir, "zero.weights.h5"))
+
+    backup = Path(state_dir) / "zero_backup"
+    first = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    P.set_full_weights(first, start)
+    try:
+        first.fit(dataset(x, y, batch), epochs=1, verbose=0,
+                  callbacks=[po(), Interrupt(), keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    except RuntimeError as e:
+        if "interrupted" not in str(e):
+            raise
+    again = build(2, 2, "1f1b", (2, 2), optimizer=adam)
+    again.fit(dataset(x, y, batch), epochs=1, verbose=0,
+              callbacks=[po(), keras_comm.callbacks.BackupAndRestore(str(backup), save_freq=2)])
+    return {
+        "weights_rel": rel(ref.get_weights(), want),
+        "resume_rel": rel(want, P.full_weights(again)),
+        "buffer_length": length,
+        "grouped_slot_sizes": grouped,
+        "held_user_slot_elements": held_user,
+        "optimizer_bytes": cb.state_bytes(breakdown=True)["optimizer"],
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+
+
 def main(state_dir):
     out = {"rank": RANK, "exact": {name: exact(name) for name in CONFIGS}}
-    if N == 2:
-        out["bn"] = bn_exact()
+    out["bn"] = bn_exact()
     out.update(save_and_resume(state_dir))
+    out["zero"] = zero_case(state_dir)
     write_result(out)
 
 
