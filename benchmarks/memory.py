@@ -210,16 +210,13 @@ def _phase_callback(sampler):
     return Phases()
 
 
-def measure(config, model, steps, per_replica_batch):
-    """Worker side: one configuration in this (fresh) process."""
+def dataset(model, per_replica_batch, n):
+    """Synthetic data for `model` (a MODELS key): two global batches of
+    ``per_replica_batch * n`` uniform rows, repeated forever, auto-sharded by
+    DATA (every worker reads the same numbers and keeps its slice)."""
     import numpy as np
     import tensorflow as tf
 
-    import keras_comm  # noqa: F401  (model.fit under MWMS)
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    rank = strategy.cluster_resolver.task_id or 0
-    n = strategy.num_replicas_in_sync
     features, _, outputs = MODELS[model]
     global_batch = per_replica_batch * n
     rng = np.random.default_rng(0)
@@ -228,7 +225,20 @@ def measure(config, model, steps, per_replica_batch):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch, drop_remainder=True)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    ds = ds.with_options(options)
+    return ds.with_options(options)
+
+
+def measure(config, model, steps, per_replica_batch):
+    """Worker side: one configuration in this (fresh) process."""
+    import tensorflow as tf
+
+    import keras_comm  # noqa: F401  (model.fit under MWMS)
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_resolver.task_id or 0
+    n = strategy.num_replicas_in_sync
+    global_batch = per_replica_batch * n
+    ds = dataset(model, per_replica_batch, n)
     before_build = _maxrss_bytes()
     sampler = _Sampler()
     m, callbacks = CONFIGS[config](strategy, model)
