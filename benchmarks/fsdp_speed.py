@@ -134,7 +134,8 @@ def markdown_section(fsdp):
         "(min-max in brackets); CPU s / step: the ranks' mean process CPU time per step "
         "(least sensitive to other load); sent: bytes one replica sends per step by ring "
         "algorithms for the collectives in the traced step, and that over the parameter bytes "
-        "(ZeRO-3 ~ 3 (N-1)/N, an all-reduce 2 (N-1)/N); vs ZeRO-0: median of per-round ratios."
+        "(ZeRO-3 ~ 3 (N-1)/N, an all-reduce 2 (N-1)/N); vs ZeRO-0 (the plain data-parallel fit): "
+        "median of per-round ratios."
     )
     out.append("")
     header = ["workers", "model", "variant", "ms / step", "CPU s / step", "sent MiB / step",

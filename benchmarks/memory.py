@@ -34,6 +34,9 @@ MODELS = {
     "tiny": (64, [128, 128], 8),
     # The model of issue 21: 2048 -> 3 x Dense(4096, relu) -> 16, 42.0M parameters.
     "mlp42m": (2048, [4096] * 3, 16),
+    # 2048 -> 2 x Dense(2048, relu) -> 16, 8.4M parameters: the fsdp family's
+    # quick model (a step is communication-heavy yet short on a loaded machine).
+    "mlp8m": (2048, [2048] * 2, 16),
     # 2048 -> 3 x Dense(8192, relu) -> Dense(6144, relu) -> 16, 201.4M parameters.
     "mlp200m": (2048, [8192] * 3 + [6144], 16),
     # 2048 -> 13 x Dense(4096, relu) -> 16, 209.8M parameters: the same size in

@@ -212,6 +212,8 @@ def parse_args(argv=None):
                         help="skip the fsdp family (ZeRO-3 next to ZeRO-0: step time, bytes; benchmarks/fsdp_speed.py)")
     parser.add_argument("--fsdp-workers", type=int, nargs="+", default=None,
                         help="worker counts for the fsdp family (default: mode's, full: 2 4)")
+    parser.add_argument("--fsdp-model", default=None, choices=sorted(memory.MODELS),
+                        help="model for the fsdp family (default: mode's, full: mlp42m)")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -232,6 +234,8 @@ def parse_args(argv=None):
         params["iters"] = args.iters
     if args.fsdp_workers:
         params["fsdp_workers"] = args.fsdp_workers
+    if args.fsdp_model:
+        params["fsdp_model"] = args.fsdp_model
     for name in ("memory_models", "memory_workers", "memory_configs"):
         if getattr(args, name):
             params[name] = getattr(args, name)
