@@ -66,12 +66,12 @@ def test_memory_accounting_is_one_over_n_plus_padding():
 # across the optimizers) x 2 and 4 replicas, each case one fit of the MLP,
 # the CNN and the Embedding + MultiHeadAttention + LayerNormalization block
 # side by side (the "three" model), vs the unwrapped model in one process.
-# A case costs ~40 CPU-s on 2 replicas and about twice that on 4 (a fit
-# traces its step once per replica): the 18 cases, ~17 CPU-minutes, do not
-# fit the suite. It runs SUITE_GRID -- every optimizer, accumulation count
-# and mode once, on both replica counts (what the five single-model fits it
-# replaced covered, and more) -- and the real workers AdamW with local
-# accumulation over 4. KERAS_COMM_FULL_GRID=1 runs all 18.
+# A case costs ~40 CPU-s on 2 replicas and more on 4 (a fit traces its step
+# once per replica): the 18 cases, over 10 CPU-minutes, do not fit the
+# suite. It runs SUITE_GRID -- every optimizer, accumulation count and mode
+# once, on both replica counts (what the five single-model fits it replaced
+# covered, and more); the real workers run AdamW.
+# KERAS_COMM_FULL_GRID=1 runs all 18.
 SUITE_GRID = {
     2: [("sgd", 2, "sharded"), ("adam", 4, "local")],
     4: [("adamw", 1, "sharded")],
