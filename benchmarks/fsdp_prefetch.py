@@ -25,7 +25,6 @@ def main(argv=None):
     parser.add_argument("--per-replica-batch", type=int, default=32)
     args = parser.parse_args(argv)
 
-    import numpy as np
     import tensorflow as tf
 
     import keras_comm  # noqa: F401  (model.fit under MWMS)
@@ -34,15 +33,8 @@ def main(argv=None):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.task_id or 0
     n = strategy.num_replicas_in_sync
-    features, _, outputs = memory.MODELS[args.model]
     global_batch = args.per_replica_batch * n
-    rng = np.random.default_rng(0)
-    x = rng.random((global_batch * 2, features), dtype=np.float32)
-    y = rng.random((global_batch * 2, outputs), dtype=np.float32)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch, drop_remainder=True)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    ds = ds.with_options(options)
+    ds = memory.dataset(args.model, args.per_replica_batch, n)
 
     models = {
         "prefetch": memory._zero3(strategy, args.model, prefetch=True)[0],

@@ -34,6 +34,9 @@ MODELS = {
     "tiny": (64, [128, 128], 8),
     # The model of issue 21: 2048 -> 3 x Dense(4096, relu) -> 16, 42.0M parameters.
     "mlp42m": (2048, [4096] * 3, 16),
+    # 2048 -> 2 x Dense(2048, relu) -> 16, 8.4M parameters: the fsdp family's
+    # quick model (a step is communication-heavy yet short on a loaded machine).
+    "mlp8m": (2048, [2048] * 2, 16),
     # 2048 -> 3 x Dense(8192, relu) -> Dense(6144, relu) -> 16, 201.4M parameters.
     "mlp200m": (2048, [8192] * 3 + [6144], 16),
     # 2048 -> 13 x Dense(4096, relu) -> 16, 209.8M parameters: the same size in
@@ -210,16 +213,13 @@ def _phase_callback(sampler):
     return Phases()
 
 
-def measure(config, model, steps, per_replica_batch):
-    """Worker side: one configuration in this (fresh) process."""
+def dataset(model, per_replica_batch, n):
+    """Synthetic data for `model` (a MODELS key): two global batches of
+    ``per_replica_batch * n`` uniform rows, repeated forever, auto-sharded by
+    DATA (every worker reads the same numbers and keeps its slice)."""
     import numpy as np
     import tensorflow as tf
 
-    import keras_comm  # noqa: F401  (model.fit under MWMS)
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    rank = strategy.cluster_resolver.task_id or 0
-    n = strategy.num_replicas_in_sync
     features, _, outputs = MODELS[model]
     global_batch = per_replica_batch * n
     rng = np.random.default_rng(0)
@@ -228,7 +228,20 @@ def measure(config, model, steps, per_replica_batch):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch, drop_remainder=True)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    ds = ds.with_options(options)
+    return ds.with_options(options)
+
+
+def measure(config, model, steps, per_replica_batch):
+    """Worker side: one configuration in this (fresh) process."""
+    import tensorflow as tf
+
+    import keras_comm  # noqa: F401  (model.fit under MWMS)
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_resolver.task_id or 0
+    n = strategy.num_replicas_in_sync
+    global_batch = per_replica_batch * n
+    ds = dataset(model, per_replica_batch, n)
     before_build = _maxrss_bytes()
     sampler = _Sampler()
     m, callbacks = CONFIGS[config](strategy, model)

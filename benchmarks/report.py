@@ -13,6 +13,7 @@ from pathlib import Path
 
 from benchmarks import _stats
 from benchmarks import memory
+from benchmarks import fsdp_speed
 
 TARGET_RATIO = 1.05
 
@@ -273,6 +274,7 @@ def markdown(results):
     out += _fusion_section(results.get("fusion"))
     out += _peers_section(results.get("peers"))
     out += memory.markdown_section(results.get("memory"))
+    out += fsdp_speed.markdown_section(results.get("fsdp"))
     plots = results.get("plots", [])
     if plots:
         out.append("## Plots")

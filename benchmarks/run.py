@@ -36,6 +36,7 @@ from pathlib import Path
 
 from benchmarks import _stats
 from benchmarks import collectives
+from benchmarks import fsdp_speed
 from benchmarks import fusion
 from benchmarks import memory
 from benchmarks import mpi
@@ -57,6 +58,8 @@ MODES = {
         "fusion_counts": [8, 32, 128], "fusion_sizes_mb": [4, 16],
         "memory_models": ["mlp42m", "mlp200m"], "memory_workers": [2, 4],
         "memory_configs": list(memory.CONFIGS), "memory_steps": 4,
+        "fsdp_workers": [2, 4], "fsdp_model": "mlp42m", "fsdp_variants": list(fsdp_speed.VARIANTS),
+        "fsdp_steps": 4, "fsdp_rounds": 5,
     },
     "quick": {
         "sizes_mb": [1, 16], "iters": 10, "warmup": 1, "workers": [2],
@@ -66,6 +69,8 @@ MODES = {
         "fusion_counts": [8, 128], "fusion_sizes_mb": [4],
         "memory_models": ["mlp42m"], "memory_workers": [2],
         "memory_configs": list(memory.CONFIGS), "memory_steps": 4,
+        "fsdp_workers": [2], "fsdp_model": "mlp42m", "fsdp_variants": list(fsdp_speed.VARIANTS),
+        "fsdp_steps": 3, "fsdp_rounds": 3,
     },
     "smoke": {
         "sizes_mb": [0.25], "iters": 3, "warmup": 1, "workers": [2],
@@ -75,6 +80,9 @@ MODES = {
         "fusion_counts": [8], "fusion_sizes_mb": [0.25],
         "memory_models": ["tiny"], "memory_workers": [2],
         "memory_configs": ["zero1"], "memory_steps": 2,
+        # The plumbing only: the tiny model, one step of one round, no prefetch pair.
+        "fsdp_workers": [2], "fsdp_model": "tiny", "fsdp_variants": ["plain", "zero3"],
+        "fsdp_steps": 1, "fsdp_rounds": 1,
     },
 }
 PEERS = {  # benchmarks/peers.py: jobs per framework and worker count, epochs per job
@@ -87,6 +95,7 @@ PER_REPLICA_BATCH = {"mlp": 128, "cnn": 64}
 PO_PER_REPLICA_BATCH = 64
 NT_PER_REPLICA_BATCH = 32
 MEMORY_PER_REPLICA_BATCH = 32
+FSDP_PER_REPLICA_BATCH = 32
 
 
 def _load_launch():
@@ -143,7 +152,8 @@ class _Tee:
     """Text stream: everything to the log, benchmark progress lines to the console."""
 
     def __init__(self, log, console,
-                 markers=("] [collectives", "] [fusion", "] [scaling", "] [parallel_optimizer", "[peers")):
+                 markers=("] [collectives", "] [fusion", "] [scaling", "] [parallel_optimizer", "[peers",
+                          "] [fsdp")):
         self.log = log
         self.console = console
         self.markers = markers
@@ -198,6 +208,12 @@ def parse_args(argv=None):
                         help="worker counts for the memory family (default: mode's, full: 2 4)")
     parser.add_argument("--memory-configs", nargs="+", default=None, choices=list(memory.CONFIGS),
                         help="configurations for the memory family (default: mode's)")
+    parser.add_argument("--no-fsdp", action="store_true",
+                        help="skip the fsdp family (ZeRO-3 next to ZeRO-0: step time, bytes; benchmarks/fsdp_speed.py)")
+    parser.add_argument("--fsdp-workers", type=int, nargs="+", default=None,
+                        help="worker counts for the fsdp family (default: mode's, full: 2 4)")
+    parser.add_argument("--fsdp-model", default=None, choices=sorted(memory.MODELS),
+                        help="model for the fsdp family (default: mode's, full: mlp42m)")
     parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
@@ -216,10 +232,14 @@ def parse_args(argv=None):
         params["sizes_mb"] = args.sizes
     if args.iters:
         params["iters"] = args.iters
+    if args.fsdp_workers:
+        params["fsdp_workers"] = args.fsdp_workers
+    if args.fsdp_model:
+        params["fsdp_model"] = args.fsdp_model
     for name in ("memory_models", "memory_workers", "memory_configs"):
         if getattr(args, name):
             params[name] = getattr(args, name)
-    for n in params["workers"] + params["training_workers"]:
+    for n in params["workers"] + params["training_workers"] + params["fsdp_workers"]:
         if n < 1:
             parser.error(f"worker counts must be >= 1. Received: {n}")
     if any(n < 2 for n in params["workers"]):
@@ -255,6 +275,11 @@ def _job_spec(args, n):
         # Non-trainable state sync (BatchNormalization): synced vs not, interleaved.
         spec["nontrainable"] = {
             "per_replica_batch": NT_PER_REPLICA_BATCH, "steps": p["po_steps"], "rounds": p["po_rounds"],
+        }
+    if not args.no_fsdp and n in p["fsdp_workers"]:
+        spec["fsdp"] = {
+            "model": p["fsdp_model"], "variants": p["fsdp_variants"], "steps": p["fsdp_steps"],
+            "rounds": p["fsdp_rounds"], "per_replica_batch": FSDP_PER_REPLICA_BATCH,
         }
     return spec
 
@@ -375,7 +400,7 @@ def main(argv=None):
 
         # ... one TensorFlow job per worker count ...
         job_results = {}
-        for n in sorted(set(p["workers"]) | set(p["training_workers"])):
+        for n in sorted(set(p["workers"]) | set(p["training_workers"]) | set(p["fsdp_workers"])):
             spec = _job_spec(args, n)
             if not spec:
                 continue
@@ -489,6 +514,15 @@ def main(argv=None):
             else nontrainable.summarize([r["nontrainable"] for r in job["ranks"]])
         )
         results["training"] = tr
+
+    # Fully sharded next to ZeRO-0.
+    if not args.no_fsdp:
+        fsdp = {}
+        for n in p["fsdp_workers"]:
+            job = job_results.get(n)
+            error = _family_error(job, "fsdp")
+            fsdp[str(n)] = {"error": error} if error else fsdp_speed.summarize([r["fsdp"] for r in job["ranks"]])
+        results["fsdp"] = fsdp
 
     if args.memory:
         results["memory"] = memory_results

@@ -82,6 +82,10 @@ def main(argv=None):
             from benchmarks import nontrainable
 
             yield "nontrainable", lambda: nontrainable.measure(strategy, **spec["nontrainable"], log=log)
+        if "fsdp" in spec:
+            from benchmarks import fsdp_speed
+
+            yield "fsdp", lambda: fsdp_speed.measure(strategy, **spec["fsdp"], log=log)
 
     failed = False
     for name, measure in families():

@@ -134,10 +134,22 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
     for row in training["scaling"]:
         assert row["step_min_s"] <= row["step_s"] <= row["step_max_s"]
 
+    # benchmarks/fsdp_speed.py: ZeRO-3 next to plain data parallel, bytes counted in the step.
+    fsdp = results["fsdp"]["2"]
+    assert "error" not in fsdp, fsdp
+    rows = {r["variant"]: r for r in fsdp["rows"]}
+    assert set(rows) == set(results["parameters"]["fsdp_variants"])
+    for r in rows.values():
+        assert r["step_min_s"] <= r["step_s"] <= r["step_max_s"] and r["cpu_s_per_step"] > 0
+        # The counted bytes are the formula's, plus the loss's scalars.
+        assert 1 <= r["sent_bytes_per_step"] / r["formula_bytes_per_step"] < 1.001, r
+    assert rows["zero3"]["collective_ops"]["all_gather"] == 2 * rows["zero3"]["collective_ops"]["reduce_scatter"]
+
     markdown = (out / "benchmarks.md").read_text()
     assert "| op | MB |" in markdown
     assert "## 2. Layer overhead" in markdown and "## 4. Training" in markdown
     assert "## 5. Fusion groups" in markdown and "| M | MB in all |" in markdown
+    assert "## 7. Fully sharded (ZeRO-3)" in markdown
     assert results["plots"]
     for plot in results["plots"]:
         path = Path(plot)

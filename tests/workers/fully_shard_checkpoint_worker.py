@@ -8,10 +8,12 @@ tests/workers/fully_shard_worker.py, whose launches run these phases.
   INTERRUPT_STEP: the backup in ``state_dir/same`` is restored by a freshly
   built model (new variables, new functions, same processes) that finishes
   the run and is compared with an uninterrupted run of the same worker count
-  -- full weights and every worker's Adam shards, exactly. The same
-  interruption leaves ``state_dir/cross`` behind for `resume_phase`. The
+  -- full weights and every worker's Adam shards, exactly. The
   resumed model is then saved with `save_weights` and `.keras` (the chief
   into ``state_dir``) for the test's one-process checks.
+- `cross_backup(strategy, state_dir)`: the same interruption on another
+  replica count (the test: 3 in-process replicas), leaving
+  ``state_dir/cross``.
 - `resume_phase(strategy, state_dir)` (a different worker count, fresh
   processes: the restart): restores ``state_dir/cross``, finishes, and
   compares weights and Adam moments (gathered full-size through
@@ -119,7 +121,6 @@ def _file_state(path):
 def backup_phase(strategy, state_dir):
     state_dir = Path(state_dir)
     _interrupted(strategy, state_dir / "same")
-    _interrupted(strategy, state_dir / "cross")  # resumed by resume_phase on another count
     model, restored = _resumed(strategy, state_dir / "same")
     reference = build(strategy)
     _fit(reference, [])
@@ -137,6 +138,13 @@ def backup_phase(strategy, state_dir):
     if _chief(strategy):
         np.savez(state_dir / "fs.full.npz", *full)
     return out
+
+
+def cross_backup(strategy, state_dir):
+    """The interrupted run whose backup (``state_dir/cross``) `resume_phase`
+    restores on another worker count; tests/test_fully_shard_multiprocess.py
+    runs it on 3 in-process replicas (one launch fewer than 3 workers)."""
+    _interrupted(strategy, Path(state_dir) / "cross")
 
 
 def resume_phase(strategy, state_dir):

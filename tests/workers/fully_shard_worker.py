@@ -84,10 +84,26 @@ def attention():
     return keras.Model(ids, out, name="attention")
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "attention": attention}
+def three():
+    """The MLP, the CNN and the attention block side by side in one model:
+    three inputs, three outputs, the loss the sum of the three mse's.
+
+    No weight of one branch sees another branch's loss, and SGD, Adam and
+    AdamW update each variable from its own gradient alone, so one fit of
+    this model trains the three models exactly as three fits would -- for a
+    third of the tracing (the exactness grid's cost)."""
+    parts = [mlp(), cnn(), attention()]
+    inputs = [keras.Input(p.inputs[0].shape[1:], dtype=p.inputs[0].dtype, name=f"{p.name}_in") for p in parts]
+    return keras.Model(inputs, [p(x) for p, x in zip(parts, inputs)], name="three")
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "attention": attention, "three": three}
 
 
 def data(name, n_samples=32):
+    if name == "three":
+        parts = [data(part, n_samples) for part in ("mlp", "cnn", "attention")]
+        return [x for x, _ in parts], [y for _, y in parts]
     rs = np.random.RandomState(0)
     if name == "mlp":
         x = rs.randn(n_samples, 5).astype("float32")
@@ -140,20 +156,19 @@ def fit_case(
     epochs=2,
     mesh=None,
     save_dir=None,
+    n_samples=32,
+    outputs=True,
 ):
     """The fully sharded copy vs the unwrapped model trained in one process.
 
     With `accumulation_steps` > 1 the copy trains under ParallelOptimizer and
-    the reference with the same effective batch (BATCH * steps).
+    the reference with the same effective batch (BATCH * steps). `outputs`:
+    also compare evaluate and predict (two more traced functions).
     """
-    x, y = data(name)
-    keras.utils.set_random_seed(0)
-    ref = MODELS[name]()
-    ref.compile(REFERENCE_OPTIMIZERS[optimizer](), "mse")
-    initial = ref.get_weights()
-    h_ref = ref.fit(
-        x, y, batch_size=BATCH * accumulation_steps, epochs=epochs, shuffle=False, verbose=0
-    ).history["loss"]
+    x, y = data(name, n_samples)
+    ref, initial, h_ref, ref_evaluate, ref_predict = reference(
+        name, optimizer, accumulation_steps, epochs, n_samples
+    )
     keras.utils.set_random_seed(0)
     unwrapped = MODELS[name]()
     unwrapped.set_weights(initial)
@@ -176,16 +191,11 @@ def fit_case(
         "start_rel": start_rel,
         "loss_rel": rel([h_ref], [h]),
         "weights_rel": rel(*_comparable(ref, P.full_weights(model), optimizer)),
-        "evaluate_rel": rel(
-            [ref.evaluate(x, y, batch_size=BATCH, verbose=0)],
-            [model.evaluate(x, y, batch_size=BATCH, verbose=0)],
-        ),
-        "predict_rel": rel(
-            [ref.predict(x, batch_size=BATCH, verbose=0)],
-            [model.predict(x, batch_size=BATCH, verbose=0)],
-        ),
         "num_fully_sharded": sum(isinstance(l, P.FullyShard) for l in _all_layers(model)),
     }
+    if outputs:
+        out["evaluate_rel"] = rel([ref_evaluate], [model.evaluate(x, y, batch_size=BATCH, verbose=0)])
+        out["predict_rel"] = rel(ref_predict, _outputs(model.predict(x, batch_size=BATCH, verbose=0)))
     n = strategy.num_replicas_in_sync
     shards = [w for l in _all_layers(model) if isinstance(l, P.FullyShard) for w in l.shard_variables]
     out["shard_elements"] = sorted({int(np.prod(w.shape)) for w in shards})
@@ -195,6 +205,102 @@ def fit_case(
     if save_dir is not None:
         out.update(save_case(model, ref, x, y, save_dir))
     return out
+
+
+# The exactness grid: every optimizer at every accumulation count, each count
+# > 1 in both accumulation modes across the optimizers. Run on the "three"
+# model (the MLP, the CNN and the attention block in one fit) for each worker
+# count: one fit per case.
+GRID = [
+    ("sgd", 1, "sharded"), ("sgd", 2, "sharded"), ("sgd", 4, "local"),
+    ("adam", 1, "sharded"), ("adam", 2, "sharded"), ("adam", 4, "local"),
+    ("adamw", 1, "sharded"), ("adamw", 2, "local"), ("adamw", 4, "sharded"),
+]
+# On real workers (2 processes; one fit of the three models, ~20 CPU-s per
+# process, the suite's slowest test): AdamW (Adam's moments and weight decay
+# on shards; the backup phase trains Adam too), two epochs of 4 steps (the
+# epoch change on real workers). Accumulation is left to the in-process grid: it adds
+# ParallelOptimizer's step and the buffers to every process's trace.
+REAL_GRID = [("adamw", 1, "sharded")]
+GRID_KEYS = ("start_rel", "loss_rel", "weights_rel", "evaluate_rel", "predict_rel")
+
+
+def grid_case_name(optimizer, steps, accumulation):
+    return f"{optimizer}/acc{steps}" + (f"/{accumulation}" if steps > 1 else "")
+
+
+def grid(strategy, cases=GRID, name="three", epochs=1, n_samples=64):
+    """`fit_case` for each (optimizer, accumulation steps, mode) of `cases`:
+    ``{case name: result}``; a case that raises reports ``{"error": ...}``
+    so that one run shows every failure.
+
+    Evaluate and predict are compared after the first case only: they run
+    the same sharded forward pass whatever trained the weights (which every
+    case compares), and each costs two more traced functions per case.
+    """
+    out = {}
+    for i, (optimizer, steps, accumulation) in enumerate(cases):
+        case = grid_case_name(optimizer, steps, accumulation)
+        try:
+            out[case] = fit_case(
+                strategy, name, optimizer=optimizer, accumulation_steps=steps,
+                accumulation=accumulation, epochs=epochs, n_samples=n_samples, outputs=i == 0,
+            )
+        except Exception as e:  # reported, not hidden: the test fails on it
+            out[case] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return out
+
+
+def grid_failures(results, rtol=RTOL):
+    """Every (case, key, value) of `grid`'s results over `rtol`, every error,
+    and every replica holding more than 1/n (+ padding) of the weights."""
+    bad = []
+    for case, got in results.items():
+        if "error" in got:
+            bad.append((case, "error", got["error"]))
+            continue
+        bad += [(case, k, got[k]) for k in GRID_KEYS if k in got and not got[k] <= rtol]
+        n, layers = got["n"], got["num_fully_sharded"]
+        if not got["full_elements"] / n <= got["replica_shard_elements"] <= got["full_elements"] / n + layers * 4 * n:
+            bad.append((case, "replica_shard_elements", (got["replica_shard_elements"], got["full_elements"], n)))
+    if not any("evaluate_rel" in got and "predict_rel" in got for got in results.values()):
+        bad.append(("*", "evaluate/predict", "compared in no case"))
+    return bad
+
+
+def _outputs(predicted):
+    return list(predicted) if isinstance(predicted, (list, tuple)) else [predicted]
+
+
+_REFERENCES = {}
+
+
+def reference(name, optimizer, accumulation_steps=1, epochs=2, n_samples=32):
+    """The unwrapped model trained in this process alone (no strategy) on the
+    global batches a fit of BATCH per step with `accumulation_steps` updates
+    on: ``(model, initial weights, loss history, evaluate, predict)``.
+
+    Cached: it does not depend on the worker count, so the grid trains each
+    once for both counts. Callers read it and must not train it further.
+    """
+    key = (name, optimizer, accumulation_steps, epochs, n_samples)
+    if key not in _REFERENCES:
+        x, y = data(name, n_samples)
+        keras.utils.set_random_seed(0)
+        ref = MODELS[name]()
+        ref.compile(REFERENCE_OPTIMIZERS[optimizer](), "mse")
+        initial = ref.get_weights()
+        history = ref.fit(
+            x, y, batch_size=BATCH * accumulation_steps, epochs=epochs, shuffle=False, verbose=0
+        ).history["loss"]
+        _REFERENCES[key] = (
+            ref,
+            initial,
+            history,
+            ref.evaluate(x, y, batch_size=BATCH, verbose=0),
+            _outputs(ref.predict(x, batch_size=BATCH, verbose=0)),
+        )
+    return _REFERENCES[key]
 
 
 def _comparable(ref, got, optimizer):
@@ -243,28 +349,29 @@ def save_case(model, ref, x, y, save_dir):
 
 
 def main():
-    """``fully_shard_worker.py STATE_DIR PHASE``: PHASE ``fits`` trains the
-    three models and runs the checkpoint worker's backup phase;
-    ``resume`` (another worker count) its resume phase only."""
+    """``fully_shard_worker.py STATE_DIR``: REAL_GRID's cases of the grid
+    (each fit trains the three models), the checkpoint worker's backup
+    phase, then its resume phase (of the backup the test wrote on another
+    replica count)."""
     import sys
 
     from _cluster import write_result
 
     import fully_shard_checkpoint_worker as checkpoints
 
-    state_dir, phase = sys.argv[1], sys.argv[2]
+    state_dir = sys.argv[1]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     result = {"n": n, "rank": int(strategy.cluster_resolver.task_id)}
     start = time.time()
-    if phase == "fits":
-        result["fits"] = {
-            name: fit_case(strategy, name, optimizer=opt)
-            for name, opt in (("mlp", "adam"), ("cnn", "sgd"), ("attention", "adamw"))
-        }
-        result["backup"] = checkpoints.backup_phase(strategy, state_dir)
-    else:
-        result["resume"] = checkpoints.resume_phase(strategy, state_dir)
+    cpu = {"import": time.process_time()}  # the suite's cost, per phase
+    result["grid"] = grid(strategy, REAL_GRID, epochs=2, n_samples=32)
+    cpu["grid"] = time.process_time() - sum(cpu.values())
+    result["backup"] = checkpoints.backup_phase(strategy, state_dir)
+    cpu["backup"] = time.process_time() - sum(cpu.values())
+    result["resume"] = checkpoints.resume_phase(strategy, state_dir)
+    cpu["resume"] = time.process_time() - sum(cpu.values())
+    result["cpu_seconds"] = cpu
     result["seconds"] = time.time() - start
     write_result(result)
 
