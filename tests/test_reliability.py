@@ -7,10 +7,14 @@ TF_CONFIG validation, error translation and a static scan of the package.
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -293,3 +297,82 @@ def test_package_source_has_no_pickle_marshal_or_eval():
                     problems.append(f"{where} calls {fn.value.id}.{name}()")
     assert not problems, problems
     assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan saw the package
+
+
+# ---------------------------------------------------------------------------
+# A preemption notice (SIGTERM) saves a backup first: in one process here,
+# on real workers in test_preemption_backup_on_real_workers.
+# ---------------------------------------------------------------------------
+
+
+class _SigtermAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM at (epoch, batch) begin, or at an epoch's end
+    (batch None), and waits until the handler has run (as a signal arriving
+    during that step would be seen: after the step's boundary)."""
+
+    def __init__(self, backup, epoch, batch):
+        super().__init__()
+        self.backup, self.at, self.epoch = backup, (epoch, batch), 0
+
+    def _send(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self._send()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch, None) == self.at:
+            self._send()
+
+
+def _preemption_model(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.inprocess
+def test_sigterm_saves_a_backup_then_stops_and_the_restart_is_exact(tmp_path):
+    from conftest import make_strategy
+    from _shared import resume_dataset
+
+    strategy = make_strategy(2)
+    reference = _preemption_model(strategy)
+    reference.fit(resume_dataset(4, 4), epochs=2, verbose=0)
+    before = signal.getsignal(signal.SIGTERM)
+    # 4 steps per epoch. A notice during global step g is taken at the next
+    # boundary (g + 1 steps done): every worker saves after step g + 2.
+    cases = {"mid-step": ((0, 1), "ckpt-0-3"), "between-epochs": ((0, None), "ckpt-1-1"),
+             "last-step": ((1, 2), "ckpt-2-0")}
+    for name, (at, saved) in cases.items():
+        backup_dir = str(tmp_path / name)
+        model = _preemption_model(strategy)
+        backup = keras_comm.callbacks.BackupAndRestore(
+            backup_dir, save_freq=False, save_before_preemption=True)
+        with pytest.raises(SystemExit) as info:
+            model.fit(resume_dataset(4, 4), epochs=2, verbose=0,
+                      callbacks=[backup, _SigtermAt(backup, *at)])
+        assert info.value.code == 143, name
+        assert signal.getsignal(signal.SIGTERM) == before, name  # handed back
+        assert sorted(p for p in os.listdir(backup_dir) if p.startswith("ckpt")) == [
+            f"{saved}.json", f"{saved}.weights.h5"], name
+
+        model = _preemption_model(strategy)
+        backup = keras_comm.callbacks.BackupAndRestore(backup_dir, save_before_preemption=True)
+        model.fit(resume_dataset(4, 4), epochs=2, verbose=0, callbacks=[backup])
+        epoch, step = (int(p) for p in saved.split("-")[1:])
+        assert backup.restored == {"epoch": epoch, "step": step}, name
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            assert np.array_equal(a, b), name  # difference 0.0
+        assert signal.getsignal(signal.SIGTERM) == before, name
