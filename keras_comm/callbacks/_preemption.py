@@ -171,7 +171,7 @@ class Watch:
             self.target, self.leader = step, self.task
             return
         try:
-            self._store.insert(self._key("step"), str(step))
+            self._store.insert(self._key("step"), f"{step} {self.task}")
         except tf.errors.AlreadyExistsError:
             return  # another worker leads (or `fit` is ending); the watcher follows
         self.target, self.leader = step, self.task
@@ -197,9 +197,9 @@ class Watch:
             value = self._store.get(self._key("step"))
             if value == _STOP:
                 return
-            step = int(value)
+            step, leader = (int(v) for v in value.split())
             if self.target is None:
-                self.target = step
+                self.target, self.leader = step, leader
             self._store.insert(self._key(f"ack/{self.task}"), "1")
         except (tf.errors.OpError, ValueError):
             # The service went away (the job is ending): nothing to agree on.

@@ -420,9 +420,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"the preemption backup of epoch {epoch}, step {step} failed: "
                 + "; ".join(f"replica {r}: {why}" for r, why in failures)
             )
-        who = "this worker" if watch.leader == watch.task else "a worker"
         watch.stop(
-            f"preemption notice (SIGTERM to {who}): every worker saved the backup of "
+            f"preemption notice (SIGTERM to worker {watch.leader}): every worker saved the backup of "
             f"epoch {epoch}, step {step} in {self.backup_dir!r} (agreed at step "
             f"{watch.target} of this fit); stopping with exit status "
             f"{_preemption.EXIT_STATUS}. Run the job again to resume there."
