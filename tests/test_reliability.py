@@ -7,10 +7,14 @@ TF_CONFIG validation, error translation and a static scan of the package.
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -293,3 +297,192 @@ def test_package_source_has_no_pickle_marshal_or_eval():
                     problems.append(f"{where} calls {fn.value.id}.{name}()")
     assert not problems, problems
     assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan saw the package
+
+
+# ---------------------------------------------------------------------------
+# A preemption notice (SIGTERM) saves a backup first: in one process here,
+# on real workers in test_preemption_backup_on_real_workers.
+# ---------------------------------------------------------------------------
+
+
+class _SigtermAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM at (epoch, batch) begin, or at an epoch's end
+    (batch None), and waits until the handler has run (as a signal arriving
+    during that step would be seen: after the step's boundary)."""
+
+    def __init__(self, backup, epoch, batch):
+        super().__init__()
+        self.backup, self.at, self.epoch = backup, (epoch, batch), 0
+
+    def _send(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self._send()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch, None) == self.at:
+            self._send()
+
+
+def _preemption_model(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.inprocess
+def test_sigterm_saves_a_backup_then_stops_and_the_restart_is_exact(tmp_path):
+    from conftest import make_strategy
+    from _shared import resume_dataset
+
+    strategy = make_strategy(2)
+    reference = _preemption_model(strategy)
+    reference.fit(resume_dataset(4, 4), epochs=2, verbose=0)
+    before = signal.getsignal(signal.SIGTERM)
+    # 4 steps per epoch. A notice during global step g is taken at the next
+    # boundary (g + 1 steps done): every worker saves after step g + 2.
+    cases = {"mid-step": ((0, 1), "ckpt-0-3"), "between-epochs": ((0, None), "ckpt-1-1"),
+             "last-step": ((1, 2), "ckpt-2-0")}
+    for name, (at, saved) in cases.items():
+        backup_dir = str(tmp_path / name)
+        model = _preemption_model(strategy)
+        backup = keras_comm.callbacks.BackupAndRestore(
+            backup_dir, save_freq=False, save_before_preemption=True)
+        with pytest.raises(SystemExit) as info:
+            model.fit(resume_dataset(4, 4), epochs=2, verbose=0,
+                      callbacks=[backup, _SigtermAt(backup, *at)])
+        assert info.value.code == 143, name
+        assert signal.getsignal(signal.SIGTERM) == before, name  # handed back
+        assert sorted(p for p in os.listdir(backup_dir) if p.startswith("ckpt")) == [
+            f"{saved}.json", f"{saved}.weights.h5"], name
+
+        model = _preemption_model(strategy)
+        backup = keras_comm.callbacks.BackupAndRestore(backup_dir, save_before_preemption=True)
+        model.fit(resume_dataset(4, 4), epochs=2, verbose=0, callbacks=[backup])
+        epoch, step = (int(p) for p in saved.split("-")[1:])
+        assert backup.restored == {"epoch": epoch, "step": step}, name
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            assert np.array_equal(a, b), name  # difference 0.0
+        assert signal.getsignal(signal.SIGTERM) == before, name
+
+
+@pytest.mark.multiprocess
+def test_preemption_backup_on_real_workers(tmp_path):
+    # One launch, three attempts (--max-restarts 2); reliability_worker.PREEMPT_CASES:
+    # worker 1 signalled mid-step, then both workers between epochs (as a
+    # launcher's stop does; either may lead), then two SIGTERMs to worker 1.
+    result = run_cluster(WORKER, 2, "preempt", tmp_path / "state", timeout=600,
+                         out_dir=tmp_path / "out", launcher_args=["--max-restarts", "2"])
+    end = time.time()
+    output = result.output
+    assert output.count("restarting the job") == 2, result.tail()
+    saved = {0: "ckpt-0-4", 1: "ckpt-1-2"}
+    for rank, r in enumerate(result.results):
+        assert r is not None and r["attempt"] == 2, (rank, result.tail())
+        for case, name in saved.items():
+            resumed = r["resumed"][str(case)]
+            # Only the agreed step's backup, complete (weights and record).
+            assert [f for f in resumed["files"] if f.startswith("ckpt")] == [
+                f"{name}.json", f"{name}.weights.h5"], (rank, case, resumed)
+            epoch, step = (int(p) for p in name.split("-")[1:])
+            assert resumed["restored"] == {"epoch": epoch, "step": step}, (rank, case)
+            assert resumed["max_abs_diff"] == 0.0, (rank, case, resumed)
+    # Every worker said what it saved, in each case.
+    for name in saved.values():
+        epoch, step = name.split("-")[1:]
+        text = f"every worker saved the backup of epoch {epoch}, step {step}"
+        assert output.count(text) == 2, (text, result.tail())
+    assert output.count("stopping with exit status 143. Run the job again") == 4
+    assert "SIGTERM to worker 1)" in output  # case 0's leader, named on both workers
+    # Last: two SIGTERMs to worker 1 stop it at once (no backup); the job ends
+    # promptly (its peer is stopped by the launcher, 5 s grace at most).
+    assert result.returncode == 143, result.tail()
+    assert "no restarts left" in output
+    signalled = json.loads((tmp_path / "state" / "signalled2_rank1.json").read_text())["time"]
+    assert end - signalled < 20, end - signalled
+    assert not (tmp_path / "state" / "double").exists() or not any(
+        p.name.endswith(".json") and p.name.startswith("ckpt")
+        for p in (tmp_path / "state" / "double").iterdir())
+
+
+class _FakeStore:
+    """The coordination service's key-value store, in one process."""
+
+    def __init__(self):
+        import threading
+
+        self.values, self.cv = {}, threading.Condition()
+
+    def insert(self, key, value):
+        with self.cv:
+            if key in self.values:
+                raise tf.errors.AlreadyExistsError(None, None, key)
+            self.values[key] = value
+            self.cv.notify_all()
+
+    def get(self, key, timeout_seconds=None):
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.values, timeout_seconds):
+                raise tf.errors.DeadlineExceededError(None, None, key)
+            return self.values[key]
+
+
+def test_preemption_agreement_leader_follower_and_a_dead_peer(capfd):
+    from keras_comm.callbacks import _preemption
+
+    # Two workers, both signalled: the first insert leads, the other follows
+    # (through its watcher thread), and both save after the leader's step + 1.
+    store = _FakeStore()
+    watches = [_preemption.Watch(object(), store=store, task=t, num_workers=2) for t in (0, 1)]
+    for w in watches:
+        w._prefix = watches[0]._prefix  # one per fit, the same on every worker
+        w._watcher = __import__("threading").Thread(target=w._watch, daemon=True)
+        w._watcher.start()
+        w.noticed.set()
+    watches[1].before_step(5)  # leads: waits until both watchers acknowledged
+    assert store.values[watches[1]._key("step")] == "6 1"
+    watches[0].before_step(4)  # refused: it follows
+    for w in watches:
+        w._watcher.join(5)
+        assert (w.target, w.leader) == (6, 1)
+        assert not w.due(5) and w.due(6)
+    for w in watches:
+        w.close()
+
+    # A peer that died never acknowledges: the leader stops within the
+    # collective timeout, saying why, instead of waiting forever.
+    previous = keras_comm.get_timeout()
+    keras_comm.set_timeout(0.5)
+    try:
+        watch = _preemption.Watch(object(), store=_FakeStore(), task=0, num_workers=2)
+        watch.noticed.set()
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as info:
+            watch.before_step(3)
+        assert time.monotonic() - start < 5
+    finally:
+        keras_comm.set_timeout(previous)
+    assert info.value.code == 143
+    err = capfd.readouterr().err
+    assert "worker(s) [0, 1] did not acknowledge the step to save at within 0.5 s" in err
+    assert "No preemption backup was saved; stopping (exit status 143)." in err
+
+
+def test_save_before_preemption_arguments(tmp_path):
+    with pytest.raises(ValueError, match="needs `save_before_preemption=True`.*Received: save_freq=False"):
+        keras_comm.callbacks.BackupAndRestore(str(tmp_path), save_freq=False)
+    with pytest.raises(TypeError, match="Received: save_before_preemption=1"):
+        keras_comm.callbacks.BackupAndRestore(str(tmp_path), save_before_preemption=1)
+    keras_comm.callbacks.BackupAndRestore(str(tmp_path), save_freq=False, save_before_preemption=True)

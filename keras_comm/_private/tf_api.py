@@ -75,6 +75,29 @@ def abort_collective_ops(code, message):
     context.context().abort_collective_ops(code, message)
 
 
+# --- The coordination service's key-value store ---------------------------------
+#
+# MultiWorkerMirroredStrategy starts TensorFlow's coordination service; its
+# key-value store is how TF's own PreemptionCheckpointHandler agrees on a step
+# without a collective. TF exports no Python API for it.
+
+
+def has_coordination_service():
+    """Whether this process is a member of a coordination service (multi-worker)."""
+    return context.context().coordination_service is not None
+
+
+def key_value_insert(key, value):
+    """Inserts `key`; raises `tf.errors.AlreadyExistsError` if it is set (first writer wins)."""
+    context.context().set_config_key_value(key, value)
+
+
+def key_value_get(key, timeout_seconds=None):
+    """The value of `key`, waiting until it is set (or `timeout_seconds`, then an OpError)."""
+    timeout_ms = 0 if timeout_seconds is None else max(1, int(timeout_seconds * 1000))
+    return context.context().get_config_key_value(key, timeout_in_ms=timeout_ms)
+
+
 def communication_implementation(strategy):
     """The strategy's collective implementation ('auto', 'ring' or 'nccl').
 
@@ -250,6 +273,9 @@ def relied_on():
             gen_collective_ops.collective_reduce_scatter_v2
         ),
         "Context.abort_collective_ops": context.Context.abort_collective_ops,
+        "Context.coordination_service": context.Context.coordination_service.fget,
+        "Context.set_config_key_value": context.Context.set_config_key_value,
+        "Context.get_config_key_value": context.Context.get_config_key_value,
         "FuncGraph.capture": func_graph.FuncGraph.capture,
         "FuncGraph.capture_call_time_value": func_graph.FuncGraph.capture_call_time_value,
         "Operation._update_input": tf_ops.Operation._update_input,

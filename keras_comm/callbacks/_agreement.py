@@ -17,11 +17,12 @@ from keras_comm import config
 UNUSABLE = "unusable"
 
 # Why a worker could not load the chief's choice (gathered as numbers).
-OK, MISSING, MISMATCH, LOAD_FAILED = 0, 1, 2, 3
+OK, MISSING, MISMATCH, LOAD_FAILED, SAVE_FAILED = 0, 1, 2, 3, 4
 REASONS = {
     MISSING: "the file is missing from its view of backup_dir",
     MISMATCH: "its copy of the file differs from the chief's (size or checksum)",
     LOAD_FAILED: "loading the file failed",
+    SAVE_FAILED: "saving the backup failed",
 }
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras_comm._private import keras_api
 from keras_comm.callbacks import _agreement
 from keras_comm.callbacks import _durable
+from keras_comm.callbacks import _preemption
 from keras_comm.callbacks import parallel_optimizer
 
 _METADATA = "training_metadata.json"
@@ -69,6 +70,18 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
       (every worker takes part), and a save that falls inside a gradient
       accumulation window waits for the window's update.
 
+    - With `save_before_preemption=True` (tf-keras's argument, there built
+      on TensorFlow's `PreemptionCheckpointHandler`), a SIGTERM to any
+      worker during `fit` (a scheduler's preemption notice, `keras-comm-run`
+      stopping the job) makes every worker save a backup at one agreed step
+      and then stop with exit status 143; a restart resumes at that step.
+      The step is agreed through TensorFlow's coordination service only
+      once a notice arrives (`keras_comm.callbacks._preemption`): no
+      per-step collective or host sync. The backup is at most two steps
+      after the signal (one when it arrives between steps); a second
+      SIGTERM stops the worker at once, without a backup, as without the
+      option. `fit` must run in the main thread.
+
     The saved state is what `model.save_weights` holds: weights and the
     optimizer's variables (iterations, slots, loss scale). Random state (e.g.
     dropout seeds) and a shuffling dataset's position are not saved: resume
@@ -80,6 +93,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         double_checkpoint: keep the previous backup too, and fall back to it
             if the latest cannot be read.
         delete_checkpoint: remove `backup_dir` when `fit` completes.
+        save_before_preemption: on SIGTERM, every worker saves a backup at
+            one agreed step and stops (exit status 143).
+        save_freq may be False with `save_before_preemption=True`: backups
+            only before a preemption.
 
     Example:
 
@@ -101,13 +118,25 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         save_freq="epoch",
         double_checkpoint=False,
         delete_checkpoint=True,
+        save_before_preemption=False,
     ):
-        if isinstance(save_freq, bool) or (
-            isinstance(save_freq, int) and save_freq < 1
-        ):
+        if not isinstance(save_before_preemption, bool):
+            raise TypeError(
+                "`save_before_preemption` must be True or False. "
+                f"Received: save_before_preemption={save_before_preemption!r}"
+            )
+        if save_freq is False and not save_before_preemption:
             raise ValueError(
-                "`save_freq` must be 'epoch' or an int >= 1. "
+                "`save_freq=False` (no periodic backups) needs "
+                "`save_before_preemption=True`, or nothing would ever be saved. "
                 f"Received: save_freq={save_freq!r}"
+            )
+        if save_freq is not False and (isinstance(save_freq, bool) or (
+            isinstance(save_freq, int) and save_freq < 1
+        )):
+            raise ValueError(
+                "`save_freq` must be 'epoch', an int >= 1, or False (with "
+                f"`save_before_preemption=True`). Received: save_freq={save_freq!r}"
             )
         super().__init__(
             backup_dir,
@@ -122,6 +151,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._skip_epoch = None
         self._skip_steps = 0
         self._model_train_function = None
+        self.save_before_preemption = save_before_preemption
+        self._preemption = None
+        self._steps_run = 0  # train-function calls of this fit, skipped ones too
         #: What the last restore found: ``{"epoch", "step"}`` or None.
         self.restored = None
 
@@ -240,6 +272,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return None
 
     def on_train_begin(self, logs=None):
+        self._restore()
+        self._steps_run = 0
+        if self.save_before_preemption:
+            self._preemption = _preemption.Watch(
+                self.model.distribute_strategy,
+                fit_code=getattr(type(self.model).fit, "__code__", None),
+            )
+            self._preemption.start()
+
+    def _restore(self):
         if not self.model.built:
             raise ValueError(
                 "To use the BackupAndRestore callback, the model must be built "
@@ -300,6 +342,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._steps_done = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._preemption is not None:
+            # A boundary: `_steps_run` steps done, the next not begun.
+            self._preemption.before_step(self._steps_run)
         if self._epoch == self._skip_epoch and batch < self._skip_steps:
             self._model_train_function = self.model.train_function
             self.model.train_function = self._skip_step
@@ -316,9 +361,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self.model.train_function = self._model_train_function
             self._model_train_function = None
         self._steps_done = batch + 1
+        self._steps_run += 1
+        if (
+            self._preemption is not None
+            and self._preemption.due(self._steps_run)
+            # A skipped step's state is the restored one, and a save inside
+            # an accumulation window waits for the update: the save moves to
+            # a later step, the same on every worker.
+            and not skipped
+            and parallel_optimizer.prepare_checkpoint(self.model)
+        ):
+            self._save_before_preemption()
         if skipped:
             return
-        if self.save_freq == "epoch":
+        if self.save_freq == "epoch" or self.save_freq is False:
             return
         self._since_save += 1 if self.model.steps_per_execution == 1 else (
             self.model.steps_per_execution
@@ -337,6 +393,39 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 self._save(epoch + 1, 0)
 
     # --- save -------------------------------------------------------------
+
+    def _save_before_preemption(self):
+        """Every worker saves at the agreed step, checks with the others, and stops."""
+        epoch, step = self._epoch, self._steps_done
+        steps = (self.params or {}).get("steps")
+        if step and steps and step >= steps:
+            epoch, step = epoch + 1, 0
+        watch = self._preemption
+        failure = None
+        try:
+            self._save(epoch, step)
+        except Exception as e:  # pylint: disable=broad-except
+            failure = (_agreement.SAVE_FAILED, f"saving failed: {type(e).__name__}: {e}")
+        try:
+            # Also a barrier: no worker stops before the chief's file is
+            # committed (a stop reaching the chief mid-write would tear it).
+            failures = _agreement.gather_failures(self.model.distribute_strategy, failure)
+        except tf.errors.OpError as e:
+            watch.fail(
+                "the preemption backup could not be confirmed by every worker "
+                f"({type(e).__name__}: {e.message.splitlines()[0] if e.message else e})"
+            )
+        if failures:
+            watch.fail(
+                f"the preemption backup of epoch {epoch}, step {step} failed: "
+                + "; ".join(f"replica {r}: {why}" for r, why in failures)
+            )
+        watch.stop(
+            f"preemption notice (SIGTERM to worker {watch.leader}): every worker saved the backup of "
+            f"epoch {epoch}, step {step} in {self.backup_dir!r} (agreed at step "
+            f"{watch.target} of this fit); stopping with exit status "
+            f"{_preemption.EXIT_STATUS}. Run the job again to resume there."
+        )
 
     def _save(self, epoch, step):
         steps = (self.params or {}).get("steps")
@@ -396,9 +485,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if self._model_train_function is not None:
             self.model.train_function = self._model_train_function
             self._model_train_function = None
+        watch, self._preemption = self._preemption, None
+        if watch is not None:
+            watch.close()
         if (
             self.delete_checkpoint
             and self._is_chief()
             and tf.io.gfile.exists(self.backup_dir)
         ):
             tf.io.gfile.rmtree(self.backup_dir)
+        if watch is not None and watch.noticed.is_set():
+            # The SIGTERM came too late for a backup: training is complete.
+            watch.stop(
+                "SIGTERM arrived as `fit` was ending: training completed, no "
+                "preemption backup needed; stopping with exit status "
+                f"{_preemption.EXIT_STATUS}."
+            )

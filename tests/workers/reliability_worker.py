@@ -13,6 +13,12 @@
 * ``predict``: `model.predict` of the ``timeout`` model with a layer whose
   all-reduce only rank 0 issues. Rank 0 must get keras_comm's timeout error
   naming the predict step (predict runs under the step owner's guard).
+* ``preempt STATE_DIR``: `BackupAndRestore(save_before_preemption=True)`
+  under `--max-restarts 2`, one case per attempt (`PREEMPT_CASES`): a
+  SIGTERM to some workers at a known step; every worker saves and exits
+  143; the next attempt resumes it and records the restored step and the
+  difference from an uninterrupted run. The last attempt writes the results,
+  then stops a worker with two SIGTERMs (the job must end promptly).
 
 A collective timeout aborts every later collective in the process, so each
 timeout is the last collective a worker runs.
@@ -207,16 +213,119 @@ def crash_mode(strategy, rank, n):
     write_result({"finished": True})  # Never reached by a correct launcher.
 
 
+# attempt -> (ranks signalled, where: (epoch, batch) begin or (epoch, None) =
+# that epoch's end). 6 steps per epoch, ZeRO-1 with accumulation windows of
+# 2: a notice during global step g is taken at the next boundary, the save
+# is after step g + 2, moved to the end of its window if inside one.
+PREEMPT_STEPS, PREEMPT_EPOCHS = 6, 2
+PREEMPT_CASES = {
+    0: ((1,), (0, 1)),        # a non-chief, mid-step: g=1 -> 3 -> window end 4
+    1: ((0, 1), (0, None)),   # every worker (a launcher's stop), between epochs: 6 -> 8
+}
+
+
+def _preempt_model(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+def preempt_mode(strategy, rank, n):
+    from _shared import resume_dataset
+
+    state = Path(sys.argv[2])
+    state.mkdir(parents=True, exist_ok=True)
+    attempt = int(os.environ.get("KERAS_COMM_RESTART_ATTEMPT", "0"))
+
+    def fit(model, *callbacks):
+        callbacks = [keras_comm.callbacks.ParallelOptimizer(accumulation_steps=2, zero_stage=1),
+                     *callbacks]
+        model.fit(resume_dataset(2 * n, PREEMPT_STEPS), epochs=PREEMPT_EPOCHS, verbose=0,
+                  callbacks=callbacks)
+        return model
+
+    class SigtermAt(keras.callbacks.Callback):
+        def __init__(self, backup, ranks, at, times=1):
+            super().__init__()
+            self.backup, self.ranks, self.at, self.times, self.epoch = backup, ranks, at, times, 0
+
+        def send(self):
+            if rank not in self.ranks:
+                return
+            (state / f"signalled{attempt}_rank{rank}.json").write_text(json.dumps(
+                {"time": time.time()}))
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == self.at:
+                self.send()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if (epoch, None) == self.at:
+                self.send()
+
+    reference = state / "reference.npz"
+    if attempt == 0:
+        weights = fit(_preempt_model(strategy)).get_weights()
+        if rank == 0:
+            np.savez(state / "reference.tmp.npz", *weights)
+            os.replace(state / "reference.tmp.npz", reference)
+    records = {}
+    if attempt > 0:
+        previous = attempt - 1
+        backup_dir = state / f"case{previous}"
+        files = sorted(p.name for p in backup_dir.iterdir()) if backup_dir.exists() else []
+        backup = keras_comm.callbacks.BackupAndRestore(
+            str(backup_dir), save_before_preemption=True, delete_checkpoint=False)
+        model = fit(_preempt_model(strategy), backup)
+        with np.load(reference) as ref:
+            expected = [ref[f"arr_{i}"] for i in range(len(ref.files))]
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+        record = {"files": files, "restored": backup.restored, "max_abs_diff": diff}
+        (state / f"resumed{previous}_rank{rank}.json").write_text(json.dumps(record))
+    if attempt in PREEMPT_CASES:
+        ranks, at = PREEMPT_CASES[attempt]
+        backup = keras_comm.callbacks.BackupAndRestore(
+            str(state / f"case{attempt}"), save_freq=False, save_before_preemption=True)
+        fit(_preempt_model(strategy), backup, SigtermAt(backup, ranks, at))
+        raise AssertionError("fit returned after a preemption notice")
+    # Last attempt: everything recorded; then two SIGTERMs to rank 1 at once.
+    results = {}
+    for case in PREEMPT_CASES:
+        results[case] = json.loads((state / f"resumed{case}_rank{rank}.json").read_text())
+    write_result({"attempt": attempt, "resumed": results})
+    backup = keras_comm.callbacks.BackupAndRestore(
+        str(state / "double"), save_freq=False, save_before_preemption=True)
+    fit(_preempt_model(strategy), backup, SigtermAt(backup, (1,), (0, 1), times=2))
+
+
 def main():
     mode = sys.argv[1]
-    keras_comm.set_timeout(TIMEOUT)
+    if mode == "preempt":
+        # Generous: a loaded machine must not turn a slow step into a failure
+        # (the double-SIGTERM case ends through the launcher's 5 s grace).
+        keras_comm.set_timeout(120)
+    else:
+        keras_comm.set_timeout(TIMEOUT)
     # The strategy's own collectives (fit's metric and gradient all-reduces)
     # get the same timeout.
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=keras_comm.communication_options()
     )
     rank, n = worker_rank(), strategy.num_replicas_in_sync
-    modes = {"timeout": timeout_mode, "mismatch": mismatch_mode, "crash": crash_mode, "predict": predict_mode}
+    modes = {"timeout": timeout_mode, "mismatch": mismatch_mode, "crash": crash_mode,
+             "predict": predict_mode, "preempt": preempt_mode}
     modes[mode](
         strategy, rank, n
     )
