@@ -115,6 +115,8 @@ _KNOWN_SECONDS = {
     # Next to the tutorial flow: both use test_compat's module fixture.
     "test_compat.py::test_fit_evaluate_predict_exact_with_local_replicas": 71,
     "test_benchmarks.py::test_smoke_run": 69,
+    # One launch, three attempts (--max-restarts 2), each a SIGTERM and a save.
+    "test_reliability.py::test_preemption_backup_on_real_workers": 120,
     # Was 64 s (mirror) + 62 s (collectives) + 60 s (non-trainable state) in
     # three launches; now one.
     "test_collectives_multiprocess.py::": 140,
