@@ -1,6 +1,7 @@
 """What tests and their worker scripts share: a weight comparison, a
 callback that interrupts `fit` at a chosen step (the crash a resume test
-recovers from), and the resume workers' dataset.
+recovers from), one that sends a preemption notice (SIGTERM) at a chosen
+step, and the resume workers' dataset and model.
 
 Import it after the worker has created its strategy, where it imports Keras.
 """
@@ -43,6 +44,54 @@ def resume_dataset(global_batch, steps, features=None):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return ds.with_options(options)
+
+
+def resume_model(strategy, units=4, learning_rate=0.05):
+    """The resume checks' model, built in `strategy`'s scope from seed 1:
+    Dense(`units`, tanh) -> Dense(3) on 5 features, Adam(`learning_rate`), mse."""
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(units, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss="mse")
+    return model
+
+
+class SigtermAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM `times` times at (epoch, batch) begin, or at
+    an epoch's end (batch None), each time waiting until `backup`'s preemption
+    watch has noticed it (as a signal arriving during that step would be seen:
+    after the step's boundary). `on_send()`, if given, runs first."""
+
+    def __init__(self, backup, epoch, batch, times=1, on_send=None):
+        super().__init__()
+        self.backup, self.at, self.times, self.on_send, self.epoch = (
+            backup, (epoch, batch), times, on_send, 0)
+
+    def _send(self):
+        import os
+        import signal
+        import time
+
+        if self.on_send is not None:
+            self.on_send()
+        for _ in range(self.times):
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self._send()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch, None) == self.at:
+            self._send()
 
 
 class InterruptAt(keras.callbacks.Callback):

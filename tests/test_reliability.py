@@ -305,50 +305,13 @@ def test_package_source_has_no_pickle_marshal_or_eval():
 # ---------------------------------------------------------------------------
 
 
-class _SigtermAt(keras.callbacks.Callback):
-    """Sends this process SIGTERM at (epoch, batch) begin, or at an epoch's end
-    (batch None), and waits until the handler has run (as a signal arriving
-    during that step would be seen: after the step's boundary)."""
-
-    def __init__(self, backup, epoch, batch):
-        super().__init__()
-        self.backup, self.at, self.epoch = backup, (epoch, batch), 0
-
-    def _send(self):
-        os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            self._send()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if (epoch, None) == self.at:
-            self._send()
-
-
-def _preemption_model(strategy):
-    keras.utils.set_random_seed(1)
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
-        )
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-    return model
-
-
 @pytest.mark.inprocess
 def test_sigterm_saves_a_backup_then_stops_and_the_restart_is_exact(tmp_path):
     from conftest import make_strategy
-    from _shared import resume_dataset
+    from _shared import SigtermAt, resume_dataset, resume_model
 
     strategy = make_strategy(2)
-    reference = _preemption_model(strategy)
+    reference = resume_model(strategy)
     reference.fit(resume_dataset(4, 4), epochs=2, verbose=0)
     before = signal.getsignal(signal.SIGTERM)
     # 4 steps per epoch. A notice during global step g is taken at the next
@@ -357,18 +320,18 @@ def test_sigterm_saves_a_backup_then_stops_and_the_restart_is_exact(tmp_path):
              "last-step": ((1, 2), "ckpt-2-0")}
     for name, (at, saved) in cases.items():
         backup_dir = str(tmp_path / name)
-        model = _preemption_model(strategy)
+        model = resume_model(strategy)
         backup = keras_comm.callbacks.BackupAndRestore(
             backup_dir, save_freq=False, save_before_preemption=True)
         with pytest.raises(SystemExit) as info:
             model.fit(resume_dataset(4, 4), epochs=2, verbose=0,
-                      callbacks=[backup, _SigtermAt(backup, *at)])
+                      callbacks=[backup, SigtermAt(backup, *at)])
         assert info.value.code == 143, name
         assert signal.getsignal(signal.SIGTERM) == before, name  # handed back
         assert sorted(p for p in os.listdir(backup_dir) if p.startswith("ckpt")) == [
             f"{saved}.json", f"{saved}.weights.h5"], name
 
-        model = _preemption_model(strategy)
+        model = resume_model(strategy)
         backup = keras_comm.callbacks.BackupAndRestore(backup_dir, save_before_preemption=True)
         model.fit(resume_dataset(4, 4), epochs=2, verbose=0, callbacks=[backup])
         epoch, step = (int(p) for p in saved.split("-")[1:])

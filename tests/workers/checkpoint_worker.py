@@ -30,7 +30,7 @@ from _strategy import strategy
 import keras  # noqa: E402
 
 import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
-from _shared import resume_dataset  # noqa: E402
+from _shared import resume_dataset, resume_model  # noqa: E402
 
 N = strategy.num_replicas_in_sync
 RANK = int(strategy.cluster_resolver.task_id)
@@ -59,13 +59,7 @@ def dataset():
 
 
 def build():
-    keras.utils.set_random_seed(1)
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
-        )
-        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
-    return model
+    return resume_model(strategy, units=8, learning_rate=0.02)
 
 
 def extra_callbacks(config):

@@ -224,18 +224,8 @@ PREEMPT_CASES = {
 }
 
 
-def _preempt_model(strategy):
-    keras.utils.set_random_seed(1)
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
-        )
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-    return model
-
-
 def preempt_mode(strategy, rank, n):
-    from _shared import resume_dataset
+    from _shared import SigtermAt, resume_dataset, resume_model
 
     state = Path(sys.argv[2])
     state.mkdir(parents=True, exist_ok=True)
@@ -248,36 +238,16 @@ def preempt_mode(strategy, rank, n):
                   callbacks=callbacks)
         return model
 
-    class SigtermAt(keras.callbacks.Callback):
-        def __init__(self, backup, ranks, at, times=1):
-            super().__init__()
-            self.backup, self.ranks, self.at, self.times, self.epoch = backup, ranks, at, times, 0
-
-        def send(self):
-            if rank not in self.ranks:
-                return
+    def sigterm_at(backup, ranks, at, times=1):
+        """A SIGTERM at `at` on the ranks in `ranks` (recorded first), none elsewhere."""
+        def record():
             (state / f"signalled{attempt}_rank{rank}.json").write_text(json.dumps(
                 {"time": time.time()}))
-            for _ in range(self.times):
-                os.kill(os.getpid(), signal.SIGTERM)
-                deadline = time.monotonic() + 10
-                while not self.backup._preemption.noticed.is_set() and time.monotonic() < deadline:
-                    time.sleep(0.005)
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if (self.epoch, batch) == self.at:
-                self.send()
-
-        def on_epoch_end(self, epoch, logs=None):
-            if (epoch, None) == self.at:
-                self.send()
+        return [SigtermAt(backup, *at, times=times, on_send=record)] if rank in ranks else []
 
     reference = state / "reference.npz"
     if attempt == 0:
-        weights = fit(_preempt_model(strategy)).get_weights()
+        weights = fit(resume_model(strategy)).get_weights()
         if rank == 0:
             np.savez(state / "reference.tmp.npz", *weights)
             os.replace(state / "reference.tmp.npz", reference)
@@ -288,7 +258,7 @@ def preempt_mode(strategy, rank, n):
         files = sorted(p.name for p in backup_dir.iterdir()) if backup_dir.exists() else []
         backup = keras_comm.callbacks.BackupAndRestore(
             str(backup_dir), save_before_preemption=True, delete_checkpoint=False)
-        model = fit(_preempt_model(strategy), backup)
+        model = fit(resume_model(strategy), backup)
         with np.load(reference) as ref:
             expected = [ref[f"arr_{i}"] for i in range(len(ref.files))]
         diff = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
@@ -298,7 +268,7 @@ def preempt_mode(strategy, rank, n):
         ranks, at = PREEMPT_CASES[attempt]
         backup = keras_comm.callbacks.BackupAndRestore(
             str(state / f"case{attempt}"), save_freq=False, save_before_preemption=True)
-        fit(_preempt_model(strategy), backup, SigtermAt(backup, ranks, at))
+        fit(resume_model(strategy), backup, *sigterm_at(backup, ranks, at))
         raise AssertionError("fit returned after a preemption notice")
     # Last attempt: everything recorded; then two SIGTERMs to rank 1 at once.
     results = {}
@@ -307,7 +277,7 @@ def preempt_mode(strategy, rank, n):
     write_result({"attempt": attempt, "resumed": results})
     backup = keras_comm.callbacks.BackupAndRestore(
         str(state / "double"), save_freq=False, save_before_preemption=True)
-    fit(_preempt_model(strategy), backup, SigtermAt(backup, (1,), (0, 1), times=2))
+    fit(resume_model(strategy), backup, *sigterm_at(backup, (1,), (0, 1), times=2))
 
 
 def main():
