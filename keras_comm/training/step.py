@@ -315,8 +315,12 @@ def _release_held(box):
 
 
 # How long process exit waits for pending releases: bounded, so that a
-# destructor which does not return cannot hang exit (its thread is a daemon).
-_EXIT_WAIT_SECONDS = 30.0
+# destructor which does not return cannot hang exit (its thread is a daemon),
+# and short: under MultiWorkerMirroredStrategy the chief hosts TensorFlow's
+# coordination service, which logs "The tasks have crashed" and aborts its
+# collectives once peers that already exited miss heartbeats for 10 s (30 s
+# here made the 3-worker pipeline example's chief do exactly that).
+_EXIT_WAIT_SECONDS = 3.0
 
 _released = queue.SimpleQueue()
 _releaser = None
