@@ -209,15 +209,7 @@ def test_parallel_optimizer_accumulates_and_shards_with_a_pipeline():
     # is reduce-scattered over its data group, its moments sharded over it
     # (test_zero_shards_the_stage_optimizer_state_over_its_data_group).
     # The schedule is 1F1B's interleaved table, under the callback too.
-    mesh = Mesh((2, 2), ("data", "pipeline"))
-    strategy = make_strategy(4)
-    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), Pipeline(_stages(2), 2, "1f1b", mesh=mesh)])
-        model.compile(optimizer=adam(), loss="mse")
-    ref = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)] + _stages(2))
-    ref.compile(optimizer=adam(), loss="mse")
-    ref.set_weights(full_weights(model))
+    model, ref = _zero_pipeline_models(make_strategy(4), Mesh((2, 2), ("data", "pipeline")))
     x, y = _data(16, WIDTHS[1])  # 32 samples: 2 updates of 2 micro-batches of 8
     po = ParallelOptimizer(accumulation_steps=2, zero_stage=1)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[po])
