@@ -235,26 +235,6 @@ def variable_strategy(variable):
     return getattr(variable, "_distribute_strategy", None)
 
 
-def iterator_autotunes(iterator):
-    """Whether tf.data autotuning may run in a distributed iterator's pipelines.
-
-    A distributed iterator keeps one iterator per worker (`_iterators`), each
-    over its worker's dataset (`_dataset`); autotuning runs unless that
-    dataset's options turn it off. When the structure is not the expected
-    one, the answer is True (the safe side for `training.step`'s release).
-    """
-    workers = getattr(iterator, "_iterators", None)
-    if not workers:
-        return True
-    for worker in workers:
-        dataset = getattr(worker, "_dataset", None)
-        if not isinstance(dataset, tf.data.Dataset):
-            return True
-        if dataset.options().autotune.enabled is not False:
-            return True
-    return False
-
-
 # --- What the version test guards --------------------------------------------
 
 

@@ -19,12 +19,6 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
-import atexit
-import functools
-import queue
-import threading
-import weakref
-
 import tensorflow as tf
 
 from keras_comm import errors
@@ -106,12 +100,7 @@ def make_function(model, replica_step):
     """
     strategy = model.distribute_strategy
     if not is_mwms(strategy):
-        function = keras_api.trainer_method("_make_function")(model, replica_step)
-        # A one-replica MWMS (a one-worker cluster) runs upstream's step over
-        # a distributed iterator, whose destructor stalls the same way.
-        if is_mwms(strategy, min_replicas=1):
-            return _releasing_previous_iterator(function)
-        return function
+        return keras_api.trainer_method("_make_function")(model, replica_step)
 
     def step_on_replica(data):
         return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
@@ -185,7 +174,7 @@ def make_function(model, replica_step):
             raise StopIteration
         return outputs
 
-    return _releasing_previous_iterator(function)
+    return function
 
 
 def make_predict_function(model, force=False):
@@ -255,119 +244,6 @@ def _concat(tensors):
     if tensors[0].shape.rank == 0:
         return tf.stack(tensors)
     return tf.concat(tensors, axis=0)
-
-
-def _releasing_previous_iterator(function):
-    """`function(iterator)` holding its latest iterator; the previous one released off the host.
-
-    Why (issue 18): `fit` drops the last reference to an epoch's iterator on
-    the host thread when it rebinds its `iterator` at the next epoch, and
-    with tf.data autotuning on, that destructor can sleep for up to a
-    minute. It is a lost wakeup in TensorFlow (2.21): the root iterator's
-    destructor cancels its autotuning thread (`Model::OptimizeLoop`), whose
-    cancellation callback notifies the thread while
-    `CancellationManager::IsCancelled()` is still false (it turns true only
-    after every callback has run); a thread that wakes in that window goes
-    back to sleep until its next optimization, up to 60 s away, and the
-    destructor joins it (`LogicalThreadWrapper::~LogicalThreadWrapper`).
-    The pipeline itself is already torn down by then: the long part is a
-    sleep that holds no CPU and nothing a step uses.
-
-    So the previous iterator is handed to one releaser thread once the new
-    iterator's first call has returned (never beside an iterator's first
-    pull, which starts its pipeline). Only iterators whose pipelines can
-    autotune go there (`tf_api.iterator_autotunes`): without autotuning
-    there is no thread to join and the destructor returns at once, on the
-    host as in stock Keras. The latest iterator stays held until the next
-    one comes, or until the function is dropped (then it is released the
-    same way).
-    """
-    current = [None]
-
-    @functools.wraps(function)
-    def holding(iterator):
-        if iterator is current[0]:
-            return function(iterator)
-        previous = [current[0]]
-        current[0] = iterator
-        if previous[0] is None or not tf_api.iterator_autotunes(previous[0]):
-            del previous[:]  # nothing to wait for: released here, as upstream
-            return function(iterator)
-        try:
-            return function(iterator)
-        finally:
-            # Whether the call returned, met the end of data or failed, the
-            # previous iterator is not used again.
-            _release_in_background(previous)
-
-    # When the function itself goes (a new `fit` compiles a new one, the model
-    # is collected), its last iterator goes the same way, not wherever the
-    # garbage collector happens to run.
-    weakref.finalize(holding, _release_held, current).atexit = False
-    return holding
-
-
-def _release_held(box):
-    if box[0] is not None and tf_api.iterator_autotunes(box[0]):
-        _release_in_background(box)
-    else:
-        del box[:]
-
-
-# How long process exit waits for pending releases: bounded, so that a
-# destructor which does not return cannot hang exit (its thread is a daemon),
-# and short: under MultiWorkerMirroredStrategy the chief hosts TensorFlow's
-# coordination service, which logs "The tasks have crashed" and aborts its
-# collectives once peers that already exited miss heartbeats for 10 s (30 s
-# here made the 3-worker pipeline example's chief do exactly that).
-_EXIT_WAIT_SECONDS = 3.0
-
-_released = queue.SimpleQueue()
-_releaser = None
-_releaser_lock = threading.Lock()
-_pending = threading.Condition()
-_pending_count = 0
-RELEASER_THREAD_NAME = "keras_comm_iterator_release"
-
-
-def _release_in_background(box):
-    """Drops the only reference to ``box[0]`` on the releaser thread (see above)."""
-    global _releaser, _pending_count
-    with _releaser_lock:
-        if _releaser is None or not _releaser.is_alive():
-            _releaser = threading.Thread(
-                target=_release_loop, name=RELEASER_THREAD_NAME, daemon=True
-            )
-            _releaser.start()
-    with _pending:
-        _pending_count += 1
-    _released.put(box)
-
-
-def _release_loop():
-    global _pending_count
-    while True:
-        box = _released.get()
-        try:
-            del box[:]  # the last reference: the destructor runs on this thread
-        except Exception:  # noqa: BLE001  (a failing destructor must not end the loop)
-            pass
-        finally:
-            del box
-            with _pending:
-                _pending_count -= 1
-                _pending.notify_all()
-
-
-def wait_for_releases(timeout):
-    """Waits up to `timeout` s for pending iterator releases; True if none is left."""
-    with _pending:
-        return _pending.wait_for(lambda: _pending_count == 0, timeout=timeout)
-
-
-# At exit, let a destructor in progress finish before the interpreter and
-# TensorFlow's runtime are torn down beside it (bounded, see above).
-atexit.register(wait_for_releases, _EXIT_WAIT_SECONDS)
 
 
 def compile_replica_call(strategy, replica_fn, what):
