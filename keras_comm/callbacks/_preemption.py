@@ -38,10 +38,12 @@ One process (no coordination service; in-process replicas): the notice sets
 the step directly.
 """
 
+import atexit
 import itertools
 import signal
 import sys
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -55,6 +57,11 @@ _STOP = "stop"
 # Every worker calls `fit` the same number of times, so the n-th watched fit
 # of each process uses the same keys (the store lives as long as the job).
 _fits = itertools.count()
+# Watches whose watcher thread may still be blocked in the store (a `fit`
+# that raised never reaches on_train_end): closed at exit, before Python's
+# finalization, which would end a daemon thread returning from TensorFlow's
+# C++ through those frames (SIGABRT, "exception not rethrown").
+_open_watches = weakref.WeakSet()
 
 
 class _TfStore:
@@ -118,6 +125,7 @@ class Watch:
                 target=self._watch, name="keras_comm preemption watcher", daemon=True
             )
             self._watcher.start()
+            _open_watches.add(self)
 
     def close(self):
         """Restores the SIGTERM handler and releases the watcher thread."""
@@ -130,6 +138,7 @@ class Watch:
                 pass
             self._watcher.join(timeout=5.0)
             self._watcher = None
+        _open_watches.discard(self)
 
     def _restore_handler(self):
         if self._installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
@@ -229,6 +238,12 @@ class Watch:
     def fail(self, why):
         """Stops this worker when no backup could be agreed on or saved."""
         self.stop(f"{why}; stopping (exit status {EXIT_STATUS}).")
+
+
+@atexit.register
+def _close_open_watches():
+    for watch in list(_open_watches):
+        watch.close()
 
 
 def _num_workers(resolver):

@@ -396,10 +396,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_before_preemption(self):
         """Every worker saves at the agreed step, checks with the others, and stops."""
-        epoch, step = self._epoch, self._steps_done
-        steps = (self.params or {}).get("steps")
-        if step and steps and step >= steps:
-            epoch, step = epoch + 1, 0
+        epoch, step = self._resume_point(self._epoch, self._steps_done)
         watch = self._preemption
         failure = None
         try:
@@ -427,10 +424,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             f"{_preemption.EXIT_STATUS}. Run the job again to resume there."
         )
 
-    def _save(self, epoch, step):
+    def _resume_point(self, epoch, step):
+        """(epoch, step) where a resume starts after `step` steps of `epoch`:
+        the next epoch's start once the epoch is complete."""
         steps = (self.params or {}).get("steps")
         if step and steps and step >= steps:
-            epoch, step = epoch + 1, 0
+            return epoch + 1, 0
+        return epoch, step
+
+    def _save(self, epoch, step):
+        epoch, step = self._resume_point(epoch, step)
         if not self._is_chief():
             # Sharded weights are gathered while saving (a collective), so
             # every worker saves; the others' files are dropped.
