@@ -112,7 +112,7 @@ class InterruptAt(keras.callbacks.Callback):
 
 def without_tf_data_autotune():
     """Turns tf.data autotuning off in every dataset a tf.distribute strategy
-    distributes in this process (the suite's datasets; values and order are
+    (the default one included) distributes in this process (the suite's datasets; values and order are
     unchanged: autotuning only sizes buffers and thread pools).
 
     Why: with autotuning on, destroying an epoch's iterator blocks the host
@@ -127,7 +127,18 @@ def without_tf_data_autotune():
 
     if os.environ.get("KERAS_COMM_TEST_AUTOTUNE") == "1":
         return
-    strategy_cls = tf.distribute.Strategy
+    # The class that defines the method, so that every strategy sees the
+    # patch: tf.distribute.Strategy and the default strategy (the reference
+    # fits in one process, whose Keras epoch iterator distributes through it
+    # too) both inherit it from there. Patching tf.distribute.Strategy alone
+    # left the references' iterators autotuning; their destructors then
+    # slept at whatever garbage collection collected them, inside a later
+    # test's guarded step (60 s timeout, then every collective of that
+    # pytest worker aborted).
+    strategy_cls = next(
+        cls for cls in tf.distribute.Strategy.__mro__
+        if "experimental_distribute_dataset" in vars(cls)
+    )
     if getattr(strategy_cls.experimental_distribute_dataset, "_keras_comm_no_autotune", False):
         return
     original = strategy_cls.experimental_distribute_dataset
