@@ -25,6 +25,16 @@ main thread, which also interrupts a blocking call such as `time.sleep`):
 
 The script then runs as `python script.py` / `python -m module` would run it:
 `sys.argv`, `sys.path[0]` and `__main__` are set the same way.
+
+A worker whose script ends normally (returns, or `sys.exit(0)`) after it
+joined a TensorFlow cluster waits at an exit barrier of the coordination
+service until every worker has ended too (at most
+`KERAS_COMM_EXIT_WAIT_SECONDS`, 3600 s): the chief hosts that service, and a
+chief that exits first takes it away from peers still in their last
+collectives (a pipeline's data-group gather, an evaluation only some ranks
+run), which then fail with "Failed to send RPC to coordination service". A
+peer that failed fails the barrier at once (the launcher stops the job
+anyway); a failing script never waits.
 """
 
 # The code is a string run with `python -c`: the worker's sys.path may not
@@ -73,20 +83,43 @@ def _keras_comm_run_bootstrap():
                 # SIGALRM ends the process after the grace, without the GIL.
                 signal.setitimer(signal.ITIMER_REAL, grace)
 
+    def wait_for_peers():
+        # Only a worker that joined a cluster has the coordination service.
+        eager = sys.modules.get("tensorflow.python.eager.context")
+        if eager is None:
+            return
+        ctx = eager.context()
+        if not ctx.coordination_service or ctx._context_handle is None:
+            return
+        seconds = float(os.environ.get("KERAS_COMM_EXIT_WAIT_SECONDS", "3600"))
+        try:
+            ctx.wait_at_barrier("keras_comm_run/exit", int(seconds * 1000))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"keras-comm-run: this worker ended, but not every peer reached the exit "
+                  f"barrier: {first}", file=sys.stderr, flush=True)
+
     atexit.register(finish)
     signal.signal(signal.SIGTERM, default_handler)
     signal.signal(hop, on_hop)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=deliver, name="keras-comm-run SIGTERM", daemon=True).start()
     args = sys.argv[1:]
-    if args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = args
-        sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args
+            sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0) or stopping:
+            raise
+        wait_for_peers()
+        raise
+    wait_for_peers()
 
 _keras_comm_run_bootstrap()
 '''

@@ -71,6 +71,9 @@ stopping:
   worker exits, at most KERAS_COMM_STOP_SECONDS (1.5) s after the signal. A
   SIGTERM handler the script installed (e.g. TensorFlow's
   PreemptionCheckpointHandler) is called instead and has the full 5 s.
+  A worker whose script ends normally waits (at most
+  KERAS_COMM_EXIT_WAIT_SECONDS, 3600 s) until every worker has ended: the
+  chief hosts TensorFlow's coordination service, which peers still need.
 
 exit status:
   0        every worker exited 0

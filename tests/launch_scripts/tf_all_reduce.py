@@ -1,6 +1,15 @@
-"""Worker: a real MultiWorkerMirroredStrategy all-reduce over loopback gRPC."""
+"""Worker: a real MultiWorkerMirroredStrategy all-reduce over loopback gRPC.
+
+Rank 0 (the chief, host of the coordination service) then ends at once while
+rank 1 still uses the service a few seconds later: the launcher's exit
+barrier keeps the chief alive until then.
+"""
+
+import os
+import time
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from _cluster import write_result
 
@@ -14,10 +23,13 @@ def replica_fn():
 
 
 ones, ids = strategy.run(replica_fn)
-write_result(
-    {
-        "num_replicas": strategy.num_replicas_in_sync,
-        "sum_ones": float(strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)),
-        "sum_ids": float(strategy.reduce(tf.distribute.ReduceOp.SUM, ids, axis=None)),
-    }
-)
+result = {
+    "num_replicas": strategy.num_replicas_in_sync,
+    "sum_ones": float(strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)),
+    "sum_ids": float(strategy.reduce(tf.distribute.ReduceOp.SUM, ids, axis=None)),
+}
+if os.environ["RANK"] == "1":
+    time.sleep(3.0)
+    context.context().set_config_key_value("late", "still here")
+    result["late"] = context.context().get_config_key_value("late")
+write_result(result)
