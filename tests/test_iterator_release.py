@@ -19,6 +19,7 @@ for their own fits.
 
 import inspect
 import threading
+import time
 import weakref
 
 import keras
@@ -120,7 +121,19 @@ def autotune_on(monkeypatch):
         monkeypatch.setattr(cls, "experimental_distribute_dataset", original)
 
 
-def test_autotuned_iterators_are_released_off_the_host_and_joined(autotune_on):
+@pytest.fixture
+def slow_release(monkeypatch):
+    """Each release takes 0.3 s more, so one that is not joined is still running."""
+    drop = step._drop
+
+    def slow_drop(box):
+        time.sleep(0.3)
+        drop(box)
+
+    monkeypatch.setattr(step, "_drop", slow_drop)
+
+
+def test_autotuned_iterators_are_released_off_the_host_and_joined(autotune_on, slow_release):
     # Every epoch's iterator is destroyed on a release thread -- never on the
     # host thread, where stock Keras destroys it at the next epoch's first
     # step -- and all of them before fit returns, the last one included:
@@ -130,7 +143,7 @@ def test_autotuned_iterators_are_released_off_the_host_and_joined(autotune_on):
     assert alive == [], alive
 
 
-def test_releases_are_joined_when_fit_raises(autotune_on):
+def test_releases_are_joined_when_fit_raises(autotune_on, slow_release):
     # fit raises in epoch 2 (0-based 1) after the previous iterator's release
     # started: that release is finished, and no release thread is alive,
     # when the exception leaves fit. (Epoch 2's iterator stays referenced by
