@@ -93,8 +93,15 @@ def measure(framework, epochs, samples, global_batch):
             self.first_step.append(self._steps[0] if self._steps else None)
             self.max_step.append(max(self._steps) if self._steps else None)
 
+        def on_train_end(self, logs=None):
+            self.train_end = time.perf_counter()
+
     timer = EpochTimer()
     model.fit(ds, epochs=epochs, verbose=0, callbacks=[timer])
+    # From the last callback to fit's return: where the last epoch's iterator
+    # is destroyed (stock: as fit's frame goes; keras_comm: its release
+    # threads joined), so what ending fit costs.
+    fit_end_s = time.perf_counter() - timer.train_end
     return {
         "framework": framework,
         "rank": strategy.cluster_resolver.task_id or 0,
@@ -102,6 +109,7 @@ def measure(framework, epochs, samples, global_batch):
         "epoch_s": timer.epochs,
         "first_step_s": timer.first_step,
         "max_step_s": timer.max_step,
+        "fit_end_s": fit_end_s,
         "samples": samples,
         "global_batch": global_batch,
         "version": k.__version__,
@@ -140,7 +148,8 @@ def run_jobs(launch, workers, rounds, epochs, raw_dir, env, log_stream, say=prin
                     s = _job_summary(job["ranks"])
                     say(f"[peers n={n}] {framework} round {r}: {s['samples_per_s']:.0f} samples/s, "
                         f"epochs {', '.join(f'{t:.2f}' for t in s['epoch_s'])} s, later epochs' "
-                        f"first steps {', '.join(f'{t:.3f}' for t in s['first_step_s'] or [])} s")
+                        f"first steps {', '.join(f'{t:.3f}' for t in s['first_step_s'] or [])} s"
+                        + (f", fit end {s['fit_end_s']:.3f} s" if s["fit_end_s"] is not None else ""))
                 else:
                     say(f"[peers n={n}] {framework} round {r}: failed (exit {code}; see run.log)")
     return out
@@ -161,6 +170,9 @@ def _job_summary(ranks):
         # Each later epoch's first step, slowest rank (where the stall was).
         "first_step_s": [max(r["first_step_s"][i] for r in ranks) for i in range(1, length)]
         if all("first_step_s" in r for r in ranks) else None,
+        # From the last callback to fit's return, slowest rank.
+        "fit_end_s": max(r["fit_end_s"] for r in ranks)
+        if all("fit_end_s" in r for r in ranks) else None,
     }
 
 

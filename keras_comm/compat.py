@@ -173,6 +173,9 @@ def apply():
         "make_predict_function": step.make_predict_function,
     })
     keras_api.install_gradient_reduction(reduction.all_reduce_sum_gradients)
+    # fit/evaluate: finished epochs' iterators released off the host, joined
+    # before the call returns (training.step.releasing_iterators).
+    keras_api.install_trainer_wrappers(step.releasing_iterators)
     # Sharded optimizer slots saved full-size: keras_comm.parallel._checkpoint.
     from keras_comm.parallel import _checkpoint
 
@@ -194,6 +197,7 @@ def revert():
         return
     keras_api.restore_trainer_methods()
     keras_api.restore_gradient_reduction()
+    keras_api.restore_trainer_wrappers()
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.revert()

@@ -3,11 +3,10 @@
 Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
 of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
 `next` on a distributed iterator runs its end-of-data all-reduce through a
-`multiprocessing.pool.ThreadPool` TensorFlow creates per call). (The
-previous epoch's iterator is still destroyed on the host thread, as in
-stock Keras: released on a background thread, its destructor -- which can
-wait up to a minute -- ran beside other steps' first calls and those
-exceeded the collective timeout under load; see docs/performance.md.)
+`multiprocessing.pool.ThreadPool` TensorFlow creates per call). (Where the
+previous epoch's iterator is destroyed -- off the host when its pipeline
+autotunes, on release threads `fit` joins before it returns -- is
+tests/test_iterator_release.py's.)
 
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
 runs nothing of the step (a guard for moving `next()` into the compiled step).

@@ -102,6 +102,42 @@ def restore_trainer_methods():
     delattr(module, _ORIGINALS_ATTR)
 
 
+#: `TensorFlowTrainer` methods `keras_comm.compat` wraps (upstream's code runs
+#: inside the wrapper; `training.step.releasing_iterators`).
+TRAINER_WRAPPED = ("fit", "evaluate")
+_WRAPPED_ATTR = "_keras_comm_compat_wrapped"
+
+
+def install_trainer_wrappers(wrap):
+    """Replaces each `TRAINER_WRAPPED` method by ``wrap(upstream_method)``; idempotent.
+
+    Needed because the iterators `fit` and `evaluate` create and drop are
+    visible only inside those calls, and there is no public hook that runs
+    when one returns or raises (callbacks' `on_train_end` does not run on
+    an exception).
+    """
+    module = _trainer_module()
+    if hasattr(module, _WRAPPED_ATTR):
+        return
+    cls = trainer_class()
+    originals = {n: cls.__dict__[n] for n in TRAINER_WRAPPED}
+    setattr(module, _WRAPPED_ATTR, originals)
+    for name, method in originals.items():
+        setattr(cls, name, wrap(method))
+
+
+def restore_trainer_wrappers():
+    """Undoes `install_trainer_wrappers`; a no-op when not installed."""
+    module = _trainer_module()
+    originals = getattr(module, _WRAPPED_ATTR, None)
+    if originals is None:
+        return
+    cls = trainer_class()
+    for name, method in originals.items():
+        setattr(cls, name, method)
+    delattr(module, _WRAPPED_ATTR)
+
+
 def trainer_method(name):
     """Upstream's `TensorFlowTrainer.<name>` (the original while patched)."""
     module = _trainer_module()

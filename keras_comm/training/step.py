@@ -19,6 +19,10 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 A policy (see `keras_comm.training`) supplies only the replica step.
 """
 
+import functools
+import threading
+import warnings
+
 import tensorflow as tf
 
 from keras_comm import errors
@@ -100,7 +104,12 @@ def make_function(model, replica_step):
     """
     strategy = model.distribute_strategy
     if not is_mwms(strategy):
-        return keras_api.trainer_method("_make_function")(model, replica_step)
+        function = keras_api.trainer_method("_make_function")(model, replica_step)
+        # A one-replica MWMS (a one-worker cluster) runs upstream's step over
+        # a distributed iterator, whose destructor stalls the same way.
+        if is_mwms(strategy, min_replicas=1):
+            return _releasing_previous_iterator(function)
+        return function
 
     def step_on_replica(data):
         return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
@@ -174,7 +183,7 @@ def make_function(model, replica_step):
             raise StopIteration
         return outputs
 
-    return function
+    return _releasing_previous_iterator(function)
 
 
 def make_predict_function(model, force=False):
@@ -244,6 +253,164 @@ def _concat(tensors):
     if tensors[0].shape.rank == 0:
         return tf.stack(tensors)
     return tf.concat(tensors, axis=0)
+
+
+# --- Where the previous epoch's iterator is destroyed (issue 18) ------------
+#
+# `fit` drops the last reference to an epoch's iterator on the host thread
+# when it rebinds its `iterator` at the next epoch's first step, and with
+# tf.data autotuning on that destructor can sleep for up to a minute, while
+# under MultiWorkerMirroredStrategy every other worker waits for this one in
+# the next collective. It is a lost wakeup in TensorFlow (2.21): the root
+# iterator's destructor cancels its autotuning thread (`Model::OptimizeLoop`),
+# whose cancellation callback notifies that thread while
+# `CancellationManager::IsCancelled()` is still false (it turns true only
+# after every callback has run); a thread that wakes in that window sleeps
+# again until its next optimization (the period doubles up to 60 s), and the
+# destructor joins it (`LogicalThreadWrapper::~LogicalThreadWrapper`). The
+# pipeline is torn down by then: the long part is a sleep that holds no CPU
+# and nothing a step uses.
+#
+# So, inside `fit` and `evaluate` (`releasing_iterators`, installed by
+# `keras_comm.compat`), each step function holds the iterator it was last
+# called with; once a new iterator's first call has returned, the previous
+# one is dropped on a release thread of that call's scope. The scope joins
+# every release thread before `fit`/`evaluate` returns or raises (in a
+# `finally`), so no such thread outlives the call that started it -- not into
+# the next test, not into interpreter shutdown, where Python's finalization
+# would end a thread still inside TensorFlow's C++ destructor (SIGABRT, the
+# reason the first version, whose daemon threads lived on, was reverted).
+# Only iterators whose pipelines can autotune (`tf_api.iterator_autotunes`)
+# are released off the host: without autotuning there is no thread to join,
+# the destructor returns at once, and it runs on the host as in stock Keras
+# (the test suite's datasets: its code path is unchanged). Outside a scope
+# (`train_on_batch`, a step function called directly) nothing is held.
+
+#: Name of the threads that drop released iterators.
+RELEASE_THREAD_NAME = "keras_comm_iterator_release"
+
+# How long the scope's exit waits for one release thread. The destructor
+# sleeps at most until the autotuning thread's next optimization, which
+# TensorFlow schedules at most 60 s ahead (`Model::OptimizeLoop`); the margin
+# covers tearing the pipeline down on a loaded machine. A release still
+# running after that is reported, and its thread (not a daemon) is still
+# joined by the interpreter before finalization, never ended inside the
+# destructor.
+_JOIN_TIMEOUT_SECONDS = 90.0
+
+_scopes = threading.local()
+
+
+class _ReleaseScope:
+    """The iterators held and the releases started during one `fit`/`evaluate`."""
+
+    def __init__(self):
+        self.held = {}  # step function's key -> [its latest iterator]
+        self.threads = []
+
+    def swap(self, key, iterator):
+        """Holds `iterator` for `key`; returns a box with the iterator it replaces.
+
+        Returns None when `iterator` is the one already held.
+        """
+        box = self.held.get(key)
+        if box is not None and box[0] is iterator:
+            return None
+        self.held[key] = [iterator]
+        return box if box is not None else []
+
+    def release(self, box):
+        """Drops the reference in `box` where its destructor cannot stall a step."""
+        if not box or not tf_api.iterator_autotunes(box[0]):
+            del box[:]  # nothing to wait for: destroyed here, as upstream
+            return
+        thread = threading.Thread(
+            target=_drop, args=(box,), name=RELEASE_THREAD_NAME, daemon=False
+        )
+        del box
+        thread.start()
+        self.threads.append(thread)
+
+    def close(self):
+        """Releases what is still held and joins every release thread."""
+        held, self.held = list(self.held.values()), {}
+        while held:
+            self.release(held.pop())
+        threads, self.threads = self.threads, []
+        for thread in threads:
+            thread.join(_JOIN_TIMEOUT_SECONDS)
+            if thread.is_alive():
+                warnings.warn(
+                    "keras_comm: destroying a finished epoch's tf.data iterator "
+                    f"took more than {_JOIN_TIMEOUT_SECONDS:.0f} s (TensorFlow "
+                    "caps its autotuning sleep at 60 s); the call returns, and "
+                    "the interpreter still waits for that thread before it exits.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _drop(box):
+    try:
+        del box[:]  # the last reference: the destructor runs on this thread
+    except Exception:  # noqa: BLE001  (a failing destructor has nowhere to go)
+        pass
+
+
+def releasing_iterators(method):
+    """Wraps `fit`/`evaluate` so that every iterator release ends inside the call.
+
+    Args:
+        method: upstream's `TensorFlowTrainer.fit` or `.evaluate`.
+
+    Returns:
+        The method, run inside its own release scope (see above); nested calls
+        (`fit`'s validation `evaluate`) get their own scope.
+    """
+
+    @functools.wraps(method)
+    def run_in_release_scope(self, *args, **kwargs):
+        outer = getattr(_scopes, "current", None)
+        scope = _scopes.current = _ReleaseScope()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _scopes.current = outer
+            scope.close()
+
+    run_in_release_scope._keras_comm_releasing = True
+    return run_in_release_scope
+
+
+def pending_releases():
+    """The release threads still running, of every scope (for tests)."""
+    return [t for t in threading.enumerate() if t.name == RELEASE_THREAD_NAME]
+
+
+def _releasing_previous_iterator(function):
+    """`function(iterator)`, holding its latest iterator inside a release scope."""
+    key = object()
+
+    @functools.wraps(function)
+    def holding(iterator):
+        scope = getattr(_scopes, "current", None)
+        if scope is None:
+            return function(iterator)
+        previous = scope.swap(key, iterator)
+        if not previous:
+            return function(iterator)
+        if not tf_api.iterator_autotunes(previous[0]):
+            scope.release(previous)  # on the host, before the step, as upstream
+            return function(iterator)
+        try:
+            return function(iterator)
+        finally:
+            # After the new iterator's first call (never beside the first
+            # pull, which starts its pipeline), whether the call returned,
+            # met the end of data or failed: the previous one is not used again.
+            scope.release(previous)
+
+    return holding
 
 
 def compile_replica_call(strategy, replica_fn, what):
