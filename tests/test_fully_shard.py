@@ -106,6 +106,9 @@ def test_exactness_grid_matches_unwrapped():
     failures = {}
     for n, grid_cases in _grid_cases().items():
         results = cases.grid(make_strategy(n), grid_cases)
+        # The per-case figures (pytest -s), e.g. for docs/fully_sharded.md.
+        keys = cases.GRID_KEYS + ("error",)
+        print(f"{n} replicas:", {c: {k: r[k] for k in keys if k in r} for c, r in results.items()})
         assert list(results) == [cases.grid_case_name(*c) for c in grid_cases]
         assert all(r.get("num_fully_sharded") == 12 for r in results.values() if "error" not in r)
         bad = cases.grid_failures(results)

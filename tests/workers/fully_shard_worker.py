@@ -222,6 +222,11 @@ GRID = [
 # epoch change on real workers). Accumulation is left to the in-process grid: it adds
 # ParallelOptimizer's step and the buffers to every process's trace.
 REAL_GRID = [("adamw", 1, "sharded")]
+# KERAS_COMM_FULL_GRID=1 (tests/test_fully_shard_multiprocess.py): one
+# launch of 4 workers running these (every optimizer, accumulation count and
+# mode once; each fit the three models), and the 2-worker launch running them
+# too. Too costly for the suite: ~25 CPU-s per case per process.
+REAL_GRID_FULL = [("adamw", 1, "sharded"), ("sgd", 2, "sharded"), ("adam", 4, "local")]
 GRID_KEYS = ("start_rel", "loss_rel", "weights_rel", "evaluate_rel", "predict_rel")
 
 
@@ -349,10 +354,11 @@ def save_case(model, ref, x, y, save_dir):
 
 
 def main():
-    """``fully_shard_worker.py STATE_DIR``: REAL_GRID's cases of the grid
-    (each fit trains the three models), the checkpoint worker's backup
-    phase, then its resume phase (of the backup the test wrote on another
-    replica count)."""
+    """``fully_shard_worker.py STATE_DIR [full|grid-only]``: REAL_GRID's
+    cases of the grid (each fit trains the three models), the checkpoint
+    worker's backup phase, then its resume phase (of the backup the test
+    wrote on another replica count). "full": REAL_GRID_FULL's cases instead
+    of REAL_GRID's; "grid-only": REAL_GRID_FULL's cases and nothing else."""
     import sys
 
     from _cluster import write_result
@@ -360,13 +366,22 @@ def main():
     import fully_shard_checkpoint_worker as checkpoints
 
     state_dir = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "suite"
+    if mode not in ("suite", "full", "grid-only"):
+        raise ValueError(f"mode must be 'full' or 'grid-only'. Received: mode={mode!r}")
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     result = {"n": n, "rank": int(strategy.cluster_resolver.task_id)}
     start = time.time()
     cpu = {"import": time.process_time()}  # the suite's cost, per phase
-    result["grid"] = grid(strategy, REAL_GRID, epochs=2, n_samples=32)
+    cases = REAL_GRID if mode == "suite" else REAL_GRID_FULL
+    result["grid"] = grid(strategy, cases, epochs=2, n_samples=32)
     cpu["grid"] = time.process_time() - sum(cpu.values())
+    if mode == "grid-only":
+        result["cpu_seconds"] = cpu
+        result["seconds"] = time.time() - start
+        write_result(result)
+        return
     result["backup"] = checkpoints.backup_phase(strategy, state_dir)
     cpu["backup"] = time.process_time() - sum(cpu.values())
     result["resume"] = checkpoints.resume_phase(strategy, state_dir)
