@@ -405,13 +405,26 @@ def test_optimizer_ema_agrees_with_one_process():
         np.testing.assert_allclose(_components(v)[0], e, rtol=1e-5, atol=1e-6)
 
     # ema_overwrite_frequency under a multi-replica strategy fails inside
-    # Keras 3 itself (the overwrite is a merge_call inside a cond: the same
-    # error without keras_comm, docs/batch_normalization.md). When this stops
-    # raising, upstream fixed it: test it like the average above.
+    # Keras <= 3.15 itself (the overwrite is a merge_call inside a cond: the
+    # same error without keras_comm, docs/batch_normalization.md). Keras 3.16
+    # fixed it upstream (the TensorFlow optimizer's new
+    # `_backend_maybe_overwrite_model_variables` takes the cond to
+    # cross-replica context): there it trains, exact against one process.
     with strategy.scope():
         overwriting = build(overwrite=2)
-    with pytest.raises(RuntimeError, match="merge_call"):
-        overwriting.fit(_dataset(x, y, 8), epochs=1, verbose=0)
+    if not hasattr(keras.optimizers.Optimizer, "_backend_maybe_overwrite_model_variables"):
+        with pytest.raises(RuntimeError, match="merge_call"):
+            overwriting.fit(_dataset(x, y, 8), epochs=1, verbose=0)
+        return
+    single_overwriting = build(overwrite=2)
+    single_overwriting.set_weights(overwriting.get_weights())
+    overwriting.fit(_dataset(x, y, 8), epochs=1, verbose=0)
+    single_overwriting.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _max_spread(overwriting) == 0.0
+    for a, b in zip(overwriting.get_weights(), single_overwriting.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # The overwrite happened (step 2 of 3): not the weights of the fit without it.
+    assert not np.allclose(overwriting.get_weights()[0], single.get_weights()[0])
 
 
 def test_normalization_adapted_per_replica_is_pooled_once():
