@@ -85,11 +85,13 @@ def _keras_comm_run_bootstrap():
 
     def wait_for_peers():
         # Only a worker that joined a cluster has the coordination service.
+        # TensorFlow's own module, not keras_comm's tf_api: this bootstrap
+        # imports nothing of keras_comm (see the note on BOOTSTRAP).
         eager = sys.modules.get("tensorflow.python.eager.context")
         if eager is None:
             return
         ctx = eager.context()
-        if not ctx.coordination_service or ctx._context_handle is None:
+        if not ctx.coordination_service:
             return
         seconds = float(os.environ.get("KERAS_COMM_EXIT_WAIT_SECONDS", "3600"))
         try:

@@ -110,6 +110,17 @@ class InterruptAt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
+def distribute_dataset_class():
+    """The strategy class that defines `experimental_distribute_dataset`
+    (every strategy, the default one included, inherits it from there)."""
+    import tensorflow as tf
+
+    return next(
+        cls for cls in tf.distribute.Strategy.__mro__
+        if "experimental_distribute_dataset" in vars(cls)
+    )
+
+
 def without_tf_data_autotune():
     """Turns tf.data autotuning off in every dataset a tf.distribute strategy
     (the default one included) distributes in this process (the suite's datasets; values and order are
@@ -135,10 +146,7 @@ def without_tf_data_autotune():
     # slept at whatever garbage collection collected them, inside a later
     # test's guarded step (60 s timeout, then every collective of that
     # pytest worker aborted).
-    strategy_cls = next(
-        cls for cls in tf.distribute.Strategy.__mro__
-        if "experimental_distribute_dataset" in vars(cls)
-    )
+    strategy_cls = distribute_dataset_class()
     if getattr(strategy_cls.experimental_distribute_dataset, "_keras_comm_no_autotune", False):
         return
     original = strategy_cls.experimental_distribute_dataset
@@ -151,4 +159,5 @@ def without_tf_data_autotune():
         return original(self, dataset, options)
 
     experimental_distribute_dataset._keras_comm_no_autotune = True
+    experimental_distribute_dataset.original = original
     strategy_cls.experimental_distribute_dataset = experimental_distribute_dataset

@@ -17,7 +17,6 @@ The suite turns autotuning off for every distributed dataset
 for their own fits.
 """
 
-import inspect
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ import pytest
 import tensorflow as tf
 
 import keras_comm  # noqa: F401  (applies compat)
+from _shared import distribute_dataset_class
 from conftest import make_strategy
 from keras_comm.training import step
 
@@ -111,12 +111,8 @@ def _fit_recording_releases(autotune, callbacks=()):
 @pytest.fixture
 def autotune_on(monkeypatch):
     """Undoes the suite's `without_tf_data_autotune` for one test."""
-    cls = next(
-        c for c in tf.distribute.Strategy.__mro__
-        if "experimental_distribute_dataset" in vars(c)
-    )
-    wrapped = vars(cls)["experimental_distribute_dataset"]
-    original = inspect.getclosurevars(wrapped).nonlocals.get("original")
+    cls = distribute_dataset_class()
+    original = getattr(vars(cls)["experimental_distribute_dataset"], "original", None)
     if original is not None:
         monkeypatch.setattr(cls, "experimental_distribute_dataset", original)
 

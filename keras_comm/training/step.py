@@ -327,7 +327,6 @@ class _ReleaseScope:
         thread = threading.Thread(
             target=_drop, args=(box,), name=RELEASE_THREAD_NAME, daemon=False
         )
-        del box
         thread.start()
         self.threads.append(thread)
 
