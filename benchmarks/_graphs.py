@@ -3,8 +3,8 @@
 A step built by keras_comm (ParallelOptimizer's micro and apply steps,
 `keras_comm.training`'s train function) is a Python function that closes
 over, wraps, or is a bound method of an object holding the compiled
-`tf.function`. Shared by benchmarks/training.py and
-tests/test_parallel_optimizer.py, which count collectives in those graphs.
+`tf.function`. Shared by benchmarks/training.py, benchmarks/collective_bytes.py
+and tests/test_parallel_optimizer.py, which count collectives in those graphs.
 Imports TensorFlow only when called.
 """
 
@@ -12,9 +12,11 @@ Imports TensorFlow only when called.
 def tf_functions(obj, depth=0, seen=None):
     """Yields the `tf.function`s reachable from `obj`.
 
-    Followed: `__wrapped__`, closure cells, and the `tf.function` attributes
-    of a bound method's instance; the walk stops at a `tf.function` (its
-    inner Python function is not searched) and at depth 6.
+    Followed: `__wrapped__`, closure cells, the `tf.function` attributes of a
+    bound method's instance and the dicts among them (a step keyed by input
+    signature or by stage), and the items of dicts, lists and tuples; the
+    walk stops at a `tf.function` (its inner Python function is not
+    searched) and at depth 6.
 
     Args:
         obj: a function, bound method or `tf.function`.
@@ -42,10 +44,15 @@ def tf_functions(obj, depth=0, seen=None):
             continue
         yield from tf_functions(contents, depth + 1, seen)
     owner = getattr(obj, "__self__", None)
-    if owner is not None and hasattr(owner, "__dict__"):
+    if owner is not None and not isinstance(owner, type) and hasattr(owner, "__dict__"):
         for value in list(vars(owner).values()):
-            if isinstance(value, tf.types.experimental.PolymorphicFunction):
+            if isinstance(value, (tf.types.experimental.PolymorphicFunction, dict)):
                 yield from tf_functions(value, depth + 1, seen)
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tf_functions(item, depth + 1, seen)
 
 
 def concrete_functions(obj):

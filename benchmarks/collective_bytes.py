@@ -29,6 +29,8 @@ import sys
 import keras
 import tensorflow as tf
 
+from benchmarks import _graphs
+
 _COLLECTIVES = {
     "CollectiveReduceV2": "all_reduce",
     "CollectiveGatherV2": "all_gather",
@@ -44,36 +46,6 @@ def ring_sent(kind, handed, n):
     if kind == "all_gather":
         return (n - 1) * handed
     return (n - 1) / n * handed
-
-
-def tf_functions(obj, depth=0, seen=None):
-    """The tf.functions reachable from `obj` through closures, `__wrapped__`,
-    bound methods' instances and their attribute dicts/lists (a step
-    function built by keras_comm.training.step or ParallelOptimizer)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 6 or obj is None:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, tf.types.experimental.PolymorphicFunction):
-        return [obj]
-    children = []
-    for cell in getattr(obj, "__closure__", None) or ():
-        try:
-            children.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
-    children.append(getattr(obj, "__wrapped__", None))
-    owner = getattr(obj, "__self__", None)
-    if owner is not None and not isinstance(owner, type):
-        children += [v for v in vars(owner).values() if isinstance(v, dict)]
-    if isinstance(obj, dict):
-        children += list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        children += list(obj)
-    out = []
-    for child in children:
-        out += tf_functions(child, depth + 1, seen)
-    return out
 
 
 def count(functions, n, device_suffix="CPU:0"):
@@ -108,7 +80,7 @@ class CaptureStep(keras.callbacks.Callback):
         self.functions = []
 
     def on_train_batch_end(self, batch, logs=None):
-        self.functions = tf_functions(self.model.train_function)
+        self.functions = list(_graphs.tf_functions(self.model.train_function))
 
 
 _STRATEGIES = {}

@@ -8,6 +8,13 @@ accumulation window (the timer of `measure_parallel_optimizer`), the slower
 rank's. The summary gives the ratio of medians, the median of per-round
 ratios to the same round's plain `fit`, and their range (the noise).
 
+Beside wall time, each rank records its process's CPU seconds (user + sys,
+all threads: `time.process_time`) over the same interval. On a shared
+machine wall time per round swings by 2-4x with the neighbours' load; the
+CPU a configuration spends per micro-batch swings far less, so the CPU ratio
+is the steadier measure of what the callback adds (the sum over ranks is
+reported: every rank does the same work).
+
 Run (2 workers):
 
     python -m keras_comm_run -n 2 -m benchmarks.po_overhead --rounds 10 --steps 20 \\
@@ -38,15 +45,18 @@ def measure(rounds, steps, configs, per_replica_batch, out):
     class Timer(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.ends = []
+            self.cpu = []
 
         def on_train_batch_end(self, batch, logs=None):
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
     models = {}
     for c in configs:
         with strategy.scope():
             models[json.dumps(c)] = training.build_model("mlp")
     times = {json.dumps(c): [] for c in configs}
+    cpu = {json.dumps(c): [] for c in configs}
     for _ in range(rounds):
         for c in configs:
             timer = Timer()
@@ -59,9 +69,12 @@ def measure(rounds, steps, configs, per_replica_batch, out):
             times[json.dumps(c)].append(
                 (timer.ends[-1] - timer.ends[start]) / (steps - 1 - start)
             )
+            cpu[json.dumps(c)].append(
+                (timer.cpu[-1] - timer.cpu[start]) / (steps - 1 - start)
+            )
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "workers": n, "global_micro_batch": per_replica_batch * n,
-                   "times": times}, f)
+                   "times": times, "cpu": cpu}, f)
 
 
 def summarize(out, workers=2):
@@ -69,10 +82,19 @@ def summarize(out, workers=2):
     keys = list(ranks[0]["times"])
     slow = {k: [max(v) for v in zip(*(r["times"][k] for r in ranks))] for k in keys}
     plain = slow["null"]
+    print("wall time per micro-batch (slower rank):")
+    _print_ratios(keys, slow, plain, "ms")
+    if all("cpu" in r for r in ranks):
+        cpu = {k: [sum(v) for v in zip(*(r["cpu"][k] for r in ranks))] for k in keys}
+        print("process CPU per micro-batch (user + sys, summed over ranks):")
+        _print_ratios(keys, cpu, cpu["null"], "CPU-ms")
+
+
+def _print_ratios(keys, seconds, plain, unit):
     for k in keys:
-        ratios = [t / p for t, p in zip(slow[k], plain)]
-        print(f"{k:8s} {statistics.median(slow[k]) * 1e3:7.1f} ms/micro-batch  "
-              f"ratio of medians {statistics.median(slow[k]) / statistics.median(plain):.2f}  "
+        ratios = [t / p for t, p in zip(seconds[k], plain)]
+        print(f"{k:8s} {statistics.median(seconds[k]) * 1e3:7.1f} {unit}/micro-batch  "
+              f"ratio of medians {statistics.median(seconds[k]) / statistics.median(plain):.2f}  "
               f"median of per-round ratios {statistics.median(ratios):.2f} "
               f"[{min(ratios):.2f}, {max(ratios):.2f}]  rounds {len(ratios)}")
 
