@@ -78,13 +78,22 @@ SHAPES = [(3, 4), (4,), (4, 1), (1,)]  # float32: 48, 16, 16, 4 bytes
 
 @pytest.mark.inprocess
 @pytest.mark.parametrize(
-    "nbytes, expected_elements",
-    [(0, [21]), (16, [5, 4, 12]), (1, [1, 4, 4, 12])],
+    "nbytes, hooked, expected_elements",
+    [
+        (0, None, [21]),
+        (16, None, [5, 4, 12]),
+        (1, None, [1, 4, 4, 12]),
+        # A variable with its own reduction is not bucketed (its hook, here
+        # the identity of `mark_gradient_reduced`, passes it through).
+        (16, 1, [5, 12]),
+    ],
 )
-def test_each_bucket_is_one_all_reduce_issued_last_layer_first(nbytes, expected_elements):
+def test_each_bucket_is_one_all_reduce_issued_last_layer_first(nbytes, hooked, expected_elements):
     strategy = make_strategy(2)
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    if hooked is not None:
+        reduction.mark_gradient_reduced(variables[hooked])
     base = [tf.reshape(tf.range(1.0, np.prod(s) + 1), s) for s in SHAPES]
 
     def replica():
@@ -105,8 +114,10 @@ def test_each_bucket_is_one_all_reduce_issued_last_layer_first(nbytes, expected_
     ]
     assert issued == expected_elements
     for i, b in enumerate(base):
-        for value in strategy.experimental_local_results(out[i]):
-            np.testing.assert_array_equal(value.numpy(), 3.0 * b.numpy())  # 1x + 2x
+        for r, value in enumerate(strategy.experimental_local_results(out[i])):
+            # Summed: 1x + 2x; hooked: replica r's own (r + 1)x.
+            expected = (r + 1.0 if i == hooked else 3.0) * b.numpy()
+            np.testing.assert_array_equal(value.numpy(), expected)
 
 
 @pytest.fixture(scope="module")
