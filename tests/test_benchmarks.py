@@ -178,7 +178,7 @@ def test_overlap_timeline_finds_backward_collectives_and_updates():
     events = [
         # (start_ns, end_ns, name, thread line)
         (0, 100 * ms, "EagerLocalExecute: __inference_one_step_7", "python"),
-        (1 * ms, 2 * ms, "EagerLocalExecute: __inference_inner_8", "python"),  # nested: ignored
+        (4 * ms, 70 * ms, "EagerLocalExecute: __inference_inner_8", "python"),  # nested: part of the step
         (5 * ms, 30 * ms, "sc/gradient_tape/dense_1/MatMul:_MklMatMul", "tf_Compute/1"),
         (20 * ms, 21 * ms, "sc/allreduce/CollectiveReduceV2:CollectiveReduceV2", "tf_Compute/2"),
         (30 * ms, 60 * ms, "sc/gradient_tape/dense_0/MatMul:_MklMatMul", "tf_Compute/1"),
