@@ -116,8 +116,9 @@ def set_gradient_bucket_bytes(nbytes):
     all-reduce, issued last layer first, that may start as soon as its
     gradients exist. The sums are the same numbers either way: every
     element is summed over the same replicas. Whether it is faster depends
-    on the transport: see docs/performance.md ("Gradient buckets"); on this
-    project's CPU workers it was not, so it stays off by default.
+    on the transport and the load: see docs/performance.md ("Gradient
+    buckets"). It stays off by default until the gain measured there on
+    CPU workers is confirmed on a quiet machine.
 
     Variables with their own reduction (`mark_gradient_reduced`, sharded
     weights) are not bucketed. `ParallelOptimizer` has its own buckets.
