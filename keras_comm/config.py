@@ -16,10 +16,11 @@
   naming both sides when they differ. Off by default because it costs one
   extra small all-gather per collective.
 
-* Gradient buckets (`set_gradient_bucket_bytes`, default 0: one pack): the
-  size of the buckets in which `model.fit`'s optimizer all-reduces the
-  gradients, issued last layer first so each can start while the backward
-  of earlier layers still runs (`keras_comm.training.reduction`).
+* Gradient buckets (`set_gradient_bucket_bytes`, default 8 MiB; 0: one
+  pack): the size of the buckets in which `model.fit`'s optimizer
+  all-reduces the gradients, issued last layer first so each can start
+  while the backward of earlier layers still runs
+  (`keras_comm.training.reduction`).
 
 All are read when the training function (or collective) is traced: set them
 the same way on every worker, before building the training function.
@@ -96,29 +97,33 @@ def set_check_calls(enabled):
         _check_calls = enabled
 
 
-_gradient_bucket_bytes = 0
+#: Measured faster than one pack on 2 CPU workers (docs/performance.md).
+DEFAULT_GRADIENT_BUCKET_BYTES = 8 << 20
+_gradient_bucket_bytes = DEFAULT_GRADIENT_BUCKET_BYTES
 
 
 def get_gradient_bucket_bytes():
-    """The gradient bucket size in bytes; 0 (the default) is one pack."""
+    """The gradient bucket size in bytes (default 8 MiB); 0 is one pack."""
     return _gradient_bucket_bytes
 
 
 def set_gradient_bucket_bytes(nbytes):
     """Splits the optimizer's gradient all-reduce into buckets of `nbytes`.
 
-    By default (0) `model.fit` under MultiWorkerMirroredStrategy sums all
-    gradients in one packed all-reduce, which starts only once the whole
-    backward has run. With ``nbytes > 0`` the gradients are grouped in
+    With ``nbytes=0`` `model.fit` under MultiWorkerMirroredStrategy sums
+    all gradients in one packed all-reduce (upstream's way), which starts
+    only once the whole backward has run. With ``nbytes > 0`` (default
+    8 MiB: `DEFAULT_GRADIENT_BUCKET_BYTES`) the gradients are grouped in
     reverse variable order (the order backward makes them, as DDP's buckets
     and Horovod's tensor fusion do) into buckets of at least `nbytes` each
     (a larger gradient is a bucket of its own), and each bucket is one
     all-reduce, issued last layer first, that may start as soon as its
     gradients exist. The sums are the same numbers either way: every
-    element is summed over the same replicas. Whether it is faster depends
-    on the transport and the load: see docs/performance.md ("Gradient
-    buckets"). It stays off by default until the gain measured there on
-    CPU workers is confirmed on a quiet machine.
+    element is summed over the same replicas (on more than 2 replicas the
+    ring's chunks, hence the round-off, may differ). A model whose
+    gradients total less than `nbytes` gets one bucket: one pack. Measured
+    faster than one pack on 2 CPU workers under load: see
+    docs/performance.md ("Gradient buckets").
 
     Variables with their own reduction (`mark_gradient_reduced`, sharded
     weights) are not bucketed. `ParallelOptimizer` has its own buckets.

@@ -54,6 +54,11 @@ def test_gradient_buckets_groups_last_layer_first(sizes, nbytes, expected):
     assert reduction.gradient_buckets(sizes, nbytes) == expected
 
 
+def test_default_is_8_mib_buckets():
+    # The default measured faster than one pack (docs/performance.md).
+    assert keras_comm.get_gradient_bucket_bytes() == 8 << 20
+
+
 @pytest.mark.parametrize(
     "value, error, match",
     [
@@ -128,7 +133,8 @@ def reference():
 @pytest.mark.inprocess
 def test_fit_with_buckets_equals_one_pack_and_single_process(reference, monkeypatch):
     strategy = make_strategy(2)
-    one_pack = flows.tuple_dataset_flow(strategy.scope)
+    with bucket_bytes(0):
+        one_pack = flows.tuple_dataset_flow(strategy.scope)
     grouped = []
     real = reduction.gradient_buckets
 
