@@ -25,8 +25,10 @@ from keras_comm import parallel  # noqa: E402
 from keras_comm import watchdog  # noqa: E402
 from keras_comm.config import communication_options  # noqa: E402
 from keras_comm.config import get_check_calls  # noqa: E402
+from keras_comm.config import get_gradient_bucket_bytes  # noqa: E402
 from keras_comm.config import get_timeout  # noqa: E402
 from keras_comm.config import set_check_calls  # noqa: E402
+from keras_comm.config import set_gradient_bucket_bytes  # noqa: E402
 from keras_comm.config import set_timeout  # noqa: E402
 from keras_comm.topology import Group  # noqa: E402
 from keras_comm.topology import rank  # noqa: E402
@@ -40,12 +42,14 @@ __all__ = [
     "communication_options",
     "errors",
     "get_check_calls",
+    "get_gradient_bucket_bytes",
     "get_timeout",
     "layers",
     "ops",
     "parallel",
     "rank",
     "set_check_calls",
+    "set_gradient_bucket_bytes",
     "set_timeout",
     "watchdog",
     "world_size",

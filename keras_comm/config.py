@@ -16,8 +16,14 @@
   naming both sides when they differ. Off by default because it costs one
   extra small all-gather per collective.
 
-Both are read when a collective is traced: set them the same way on every
-worker, before building the training function.
+* Gradient buckets (`set_gradient_bucket_bytes`, default 8 MiB; 0: one
+  pack): the size of the buckets in which `model.fit`'s optimizer
+  all-reduces the gradients, issued last layer first so each can start
+  while the backward of earlier layers still runs
+  (`keras_comm.training.reduction`).
+
+All are read when the training function (or collective) is traced: set them
+the same way on every worker, before building the training function.
 """
 
 import threading
@@ -89,6 +95,60 @@ def set_check_calls(enabled):
         raise TypeError(f"`enabled` must be a bool. Received: enabled={enabled!r}")
     with _lock:
         _check_calls = enabled
+
+
+#: Measured faster than one pack on 2 CPU workers (docs/performance.md).
+DEFAULT_GRADIENT_BUCKET_BYTES = 8 << 20
+_gradient_bucket_bytes = DEFAULT_GRADIENT_BUCKET_BYTES
+
+
+def get_gradient_bucket_bytes():
+    """The gradient bucket size in bytes (default 8 MiB); 0 is one pack."""
+    return _gradient_bucket_bytes
+
+
+def set_gradient_bucket_bytes(nbytes):
+    """Splits the optimizer's gradient all-reduce into buckets of `nbytes`.
+
+    With ``nbytes=0`` `model.fit` under MultiWorkerMirroredStrategy sums
+    all gradients in one packed all-reduce (upstream's way), which starts
+    only once the whole backward has run. With ``nbytes > 0`` (default
+    8 MiB: `DEFAULT_GRADIENT_BUCKET_BYTES`) the gradients are grouped in
+    reverse variable order (the order backward makes them, as DDP's buckets
+    and Horovod's tensor fusion do) into buckets of at least `nbytes` each
+    (a larger gradient is a bucket of its own), and each bucket is one
+    all-reduce, issued last layer first, that may start as soon as its
+    gradients exist. The sums are the same numbers either way: every
+    element is summed over the same replicas (on more than 2 replicas the
+    ring's chunks, hence the round-off, may differ). A model whose
+    gradients total less than `nbytes` gets one bucket: one pack. Measured
+    faster than one pack on 2 CPU workers under load: see
+    docs/performance.md ("Gradient buckets").
+
+    Variables with their own reduction (`mark_gradient_reduced`, sharded
+    weights) are not bucketed. `ParallelOptimizer` has its own buckets.
+    Read when the training function is traced: set it the same on every
+    worker, before `fit`.
+
+    Args:
+        nbytes: an int >= 0; 0 for one pack.
+
+    Raises:
+        TypeError: if `nbytes` is not an int.
+        ValueError: if `nbytes` is negative.
+    """
+    global _gradient_bucket_bytes
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(
+            "`nbytes` must be an int number of bytes (0 for one pack). "
+            f"Received: nbytes={nbytes!r}"
+        )
+    if nbytes < 0:
+        raise ValueError(
+            f"`nbytes` must be >= 0 (0 for one pack). Received: nbytes={nbytes!r}"
+        )
+    with _lock:
+        _gradient_bucket_bytes = nbytes
 
 
 def communication_options(**kwargs):

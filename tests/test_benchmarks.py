@@ -169,3 +169,28 @@ def test_docs_tables_are_drawn_from_the_committed_numbers():
     assert report.markdown(results) == (docs / "benchmarks.md").read_text()
     names = sorted(Path(p).name for p in results["plots"])
     assert names == sorted(p.name for p in docs.glob("*.png"))
+
+
+def test_overlap_timeline_finds_backward_collectives_and_updates():
+    from benchmarks import overlap
+
+    ms = 1_000_000  # ns
+    events = [
+        # (start_ns, end_ns, name, thread line)
+        (0, 100 * ms, "EagerLocalExecute: __inference_one_step_7", "python"),
+        (4 * ms, 70 * ms, "EagerLocalExecute: __inference_inner_8", "python"),  # nested: part of the step
+        (5 * ms, 30 * ms, "sc/gradient_tape/dense_1/MatMul:_MklMatMul", "tf_Compute/1"),
+        (20 * ms, 21 * ms, "sc/allreduce/CollectiveReduceV2:CollectiveReduceV2", "tf_Compute/2"),
+        (30 * ms, 60 * ms, "sc/gradient_tape/dense_0/MatMul:_MklMatMul", "tf_Compute/1"),
+        (61 * ms, 62 * ms, "sc/allreduce_1/CollectiveReduceV2:CollectiveReduceV2", "tf_Compute/2"),
+        (80 * ms, 81 * ms, "sc/sgd/AssignSubVariableOp:AssignSubVariableOp", "tf_Compute/1"),
+        (90 * ms, 91 * ms, "sc/sgd/AssignSubVariableOp_1:AssignSubVariableOp", "tf_Compute/1"),
+        # A call without backward ops (the metrics' reduction): not a step.
+        (200 * ms, 210 * ms, "EagerLocalExecute: __inference_other_9", "python"),
+        (201 * ms, 202 * ms, "x/CollectiveReduceV2:CollectiveReduceV2", "tf_Compute/2"),
+    ]
+    (step,) = overlap._summarize_timeline(events)
+    assert step["step_ms"] == 100
+    assert step["backward_ms"] == [5, 60]
+    assert [c[:2] for c in step["collectives_ms"]] == [[20, 21], [61, 62]]
+    assert step["update_ms"] == [80, 90]

@@ -18,6 +18,7 @@ path, `keras_comm.training.accumulate` the `ParallelOptimizer` one.
 
 import tensorflow as tf
 
+from keras_comm import config
 from keras_comm._private import keras_api
 
 #: Attribute of the tf.Variable holding its own gradient reduction.
@@ -64,19 +65,83 @@ def _already_reduced(grad):
     return grad
 
 
+def gradient_buckets(sizes, bucket_bytes):
+    """Groups gradients into buckets, in the order to issue them.
+
+    Pure: `sizes` are the gradients' sizes in bytes, in variable order.
+    Walking them backwards (the order backward makes them), a bucket closes
+    once it holds at least `bucket_bytes`; a gradient larger than that is a
+    bucket of its own. Returns the buckets last layer first, each a list of
+    indices into `sizes` in ascending order; `bucket_bytes=0` is one bucket.
+
+    Example: ``gradient_buckets([48, 16, 16, 4], 16) == [[2, 3], [1], [0]]``.
+    """
+    if not sizes:
+        return []
+    if bucket_bytes == 0:
+        return [list(range(len(sizes)))]
+    out, current, filled = [], [], 0
+    for index in reversed(range(len(sizes))):
+        current.append(index)
+        filled += sizes[index]
+        if filled >= bucket_bytes:
+            out.append(sorted(current))
+            current, filled = [], 0
+    if current:
+        out.append(sorted(current))
+    return out
+
+
+def _size_bytes(grad, variable):
+    # The variable's shape is always static; a gradient's (IndexedSlices, a
+    # partially known shape) need not be.
+    return tf.TensorShape(variable.shape).num_elements() * tf.as_dtype(grad.dtype).size
+
+
+def _bucketed(original, optimizer, grads_and_vars, bucket_bytes):
+    """Upstream's reduction, one call (one packed all-reduce) per bucket.
+
+    The calls are traced last bucket first: TensorFlow chains a strategy's
+    collectives through one ordering token in program order, so a bucket
+    traced after another cannot start before it, whatever data it waits
+    for. Each call concatenates only its own bucket, so it waits only for
+    those gradients.
+    """
+    present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+    sizes = [_size_bytes(*grads_and_vars[i]) for i in present]
+    out = list(grads_and_vars)  # None gradients pass through, as upstream.
+    for bucket in gradient_buckets(sizes, bucket_bytes):
+        members = [present[k] for k in bucket]
+        reduced = original(optimizer, [grads_and_vars[i] for i in members])
+        for i, pair in zip(members, reduced, strict=True):
+            out[i] = pair
+    return out
+
+
 def all_reduce_sum_gradients(self, grads_and_vars):
     """Replaces `TFOptimizer._all_reduce_sum_gradients` (an optimizer method).
 
-    Variables without a hook are reduced exactly as upstream (one batched
-    all-reduce); each hooked variable's gradient goes through its hook.
+    Variables without a hook are reduced as upstream: one batched
+    all-reduce, or with `keras_comm.set_gradient_bucket_bytes(n)` one per
+    bucket, last layer first (see `gradient_buckets`); each hooked
+    variable's gradient goes through its hook.
     """
     original = keras_api.upstream_gradient_reduction()
     grads_and_vars = list(grads_and_vars)
-    hooks = [getattr(v, GRADIENT_HOOK_ATTR, None) for _, v in grads_and_vars]
-    if tf.distribute.get_replica_context() is None or not any(hooks):
+    bucket_bytes = config.get_gradient_bucket_bytes()
+    if tf.distribute.get_replica_context() is None:
         return original(self, grads_and_vars)
+    if bucket_bytes:
+        def reduce(pairs):
+            return _bucketed(original, self, pairs, bucket_bytes)
+    else:
+        def reduce(pairs):
+            return original(self, pairs)
+    hooks = [getattr(v, GRADIENT_HOOK_ATTR, None) for _, v in grads_and_vars]
+    if not any(hooks):
+        return reduce(grads_and_vars)
     plain = [gv for gv, h in zip(grads_and_vars, hooks) if h is None]
-    reduced = iter(original(self, plain) if plain else [])
+    reduced = iter(reduce(plain) if plain else [])
     return [
         (h(g), v) if h is not None else next(reduced)
         for (g, v), h in zip(grads_and_vars, hooks)
