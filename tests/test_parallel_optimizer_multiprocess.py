@@ -1,25 +1,29 @@
-"""ParallelOptimizer across 2 and 3 real worker processes (one launch each)."""
+"""ParallelOptimizer across 2 and 3 real worker processes.
+
+Three launches: one of 3 workers (parallel_optimizer_worker.py), and the two
+2-worker launches of the state-bytes check, which run the 2-worker
+configurations after their memory reading (parallel_optimizer_memory_worker.py):
+each launch pays TensorFlow's import and the cluster's setup.
+"""
 
 import pytest
 
 from _cluster import run_cluster
 
 # opt:accumulation_steps:zero_stage. Every optimizer, accumulation_steps and
-# zero_stage appears in each launch; the in-process tests cover the rest.
+# zero_stage appears on each worker count; the in-process tests cover the rest.
 CONFIGS = {
     2: ["sgd:1:0", "adam:2:1", "adamw+lso:4:2"],
     3: ["adamw:2:0", "sgd:4:1", "adam:1:2"],
 }
+# The 2-worker configurations, by the memory launch that runs them.
+MEMORY_LAUNCH_CONFIGS = {"adam": CONFIGS[2][:2], "sgd": CONFIGS[2][2:]}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("num_workers", [2, 3])
-def test_parallel_optimizer_across_processes(num_workers):
-    configs = CONFIGS[num_workers]
-    result = run_cluster(
-        "workers/parallel_optimizer_worker.py", num_workers, *configs, timeout=150
-    ).check()
-    for rank, r in enumerate(result.results):
+def _check_configs(results, configs, num_workers):
+    """results: each rank's parallel_optimizer_worker.results()."""
+    assert len(results) == num_workers
+    for rank, r in enumerate(results):
         assert r["rank"] == rank and r["world"] == num_workers
         assert set(r["results"]) == set(configs)
         for config, c in r["results"].items():
@@ -36,12 +40,21 @@ def test_parallel_optimizer_across_processes(num_workers):
                     assert full[kind] / num_workers <= sharded[kind] <= bound, (config, kind)
     # Every worker ends with the same weights.
     for config in configs:
-        sums = {r["results"][config]["checksum"] for r in result.results}
+        sums = {r["results"][config]["checksum"] for r in results}
         assert len(sums) == 1, (config, sums)
 
 
 @pytest.mark.multiprocess
-def test_state_bytes_is_what_the_process_holds():
+def test_parallel_optimizer_across_three_processes():
+    configs = CONFIGS[3]
+    result = run_cluster(
+        "workers/parallel_optimizer_worker.py", 3, *configs, timeout=150
+    ).check()
+    _check_configs(result.results, configs, 3)
+
+
+@pytest.mark.multiprocess
+def test_state_bytes_is_what_the_process_holds_and_two_processes_train_exactly():
     # Two launches on 2 workers, zero_stage 1, identical but for the
     # optimizer: Adam (2 slots) and slot-less SGD. Their heap after fit
     # (RssAnon; TensorFlow's allocator keeps its peak) differs by
@@ -56,15 +69,21 @@ def test_state_bytes_is_what_the_process_holds():
     # measured 1.0 W to 1.7 W. The bounds [W / 2, 2 W] hold for all of them
     # and fail both for the full-slot copy (3 W) and for state that
     # state_bytes() counts but the process never allocated.
-    peaks, states = {}, {}
-    for name in ("adam", "sgd"):
+    # After the reading, the same processes train CONFIGS[2] (split over the
+    # two launches) against the plain optimizer in one process.
+    peaks, states, trained = {}, {}, [{"results": {}} for _ in range(2)]
+    for name, configs in MEMORY_LAUNCH_CONFIGS.items():
         result = run_cluster(
-            "workers/parallel_optimizer_memory_worker.py", 2, name, "1", timeout=240
+            "workers/parallel_optimizer_memory_worker.py", 2, name, "1", *configs, timeout=240
         ).check()
         peaks[name] = [r["anonymous"] for r in result.results]
         states[name] = result.results[0]["state"]
         weights = result.results[0]["weights"]
+        for t, r in zip(trained, result.results):
+            t.update({k: v for k, v in r["configs"].items() if k != "results"})
+            t["results"].update(r["configs"]["results"])
     predicted = sum(states["adam"].values()) - sum(states["sgd"].values())
     assert predicted == states["adam"]["optimizer"] == weights  # 2 slots / 2 replicas
     measured = sum(a - b for a, b in zip(peaks["adam"], peaks["sgd"])) / 2
     assert predicted / 2 <= measured <= 2 * predicted, (measured, predicted, peaks)
+    _check_configs(trained, CONFIGS[2], 2)

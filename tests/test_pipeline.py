@@ -72,9 +72,9 @@ def _check_exact(model, ref, x, y, batch):
 
 # (p, m, schedule, layers after the pipeline), one case per code path (the
 # schedules' tables themselves -- every p, m, both schedules -- are checked
-# by simulation in test_schedules.py; p = 2 with m = 1, 4, 8, p = 4 with
-# both schedules and the 1F1B table as a layer run on real workers in
-# test_pipeline_multiprocess.py):
+# by simulation in test_schedules.py; p = 2 with m = 1, 4 (and 8 under
+# KERAS_COMM_FULL_GRID=1), p = 4 with both schedules and the 1F1B table as a
+# layer run on real workers in test_pipeline_multiprocess.py):
 GRID = [
     # The 1F1B training step (training/pipeline.py): a steady state (m >= p,
     # backward 0 before forward p) and a middle stage that receives and

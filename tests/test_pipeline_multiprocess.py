@@ -5,6 +5,8 @@ The worker (tests/workers/pipeline_worker.py) trains each configuration with
 here the files it saved are loaded into the one-process model.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -16,13 +18,27 @@ from keras_comm.parallel import full_weights
 WIDTHS = (5, 6, 4, 7)
 
 
+FULL = os.environ.get("KERAS_COMM_FULL_GRID") == "1"
+CONFIGS = ["p4_m8_1f1b", "p4_m2_gpipe", "p2x2_m1_gpipe", "p2x2_m4_1f1b",
+           "p2x2_m2_1f1b_post", "p2xtp2_m2_gpipe"] + (["p2x2_m8_gpipe"] if FULL else [])
+# Configurations whose evaluate and predict are compared (every one under
+# KERAS_COMM_FULL_GRID=1): each stage count, mesh, post layer and
+# tensor-parallel stage once (inference runs the forward half of the table,
+# which GPipe and 1F1B share).
+OUTPUT_CONFIGS = set(CONFIGS) if FULL else {"p4_m8_1f1b", "p2x2_m1_gpipe", "p2x2_m2_1f1b_post", "p2xtp2_m2_gpipe"}
+
+
 def _check(results, expected_configs):
     for r in results:
         assert sorted(r["exact"]) == sorted(expected_configs)
         for name, e in r["exact"].items():
             assert e["weights_rel"] <= 1e-5, (name, e)
-            assert e["loss_rel"] <= 1e-5 and e["eval_rel"] <= 1e-5, (name, e)
-            assert e["predict_rel"] <= 1e-5 and e["predict_rows"] == 2 * 2 * len(results) * int(name.split("_m")[1].split("_")[0]), (name, e)
+            assert e["loss_rel"] <= 1e-5, (name, e)
+            assert ("eval_rel" in e) == ("predict_rel" in e) == (name in OUTPUT_CONFIGS), (name, e)
+            if name in OUTPUT_CONFIGS:
+                m = int(name.split("_m")[1].split("_")[0])
+                assert e["eval_rel"] <= 1e-5, (name, e)
+                assert e["predict_rel"] <= 1e-5 and e["predict_rows"] == 2 * 2 * len(results) * m, (name, e)
             # Each worker holds its own stage (plus padding to the largest), not all.
             assert e["own_stage_bytes"] <= e["buffer_bytes"] < e["all_stage_bytes"], (name, e)
         assert r["resume_rel"] <= 1e-6, r
@@ -35,8 +51,8 @@ def _check(results, expected_configs):
 @pytest.mark.parametrize("workers", [4])
 def test_pipeline_on_workers(workers, tmp_path):
     result = run_cluster("workers/pipeline_worker.py", workers, tmp_path, timeout=900).check()
-    configs = ["p4_m8_1f1b", "p4_m2_gpipe", "p2x2_m1_gpipe", "p2x2_m4_1f1b", "p2x2_m8_gpipe",
-               "p2x2_m2_1f1b_post", "p2xtp2_m2_gpipe"]
+    configs = CONFIGS
+    print("worker CPU seconds by phase:", [r["cpu_seconds"] for r in result.results])
     _check(result.results, configs)
     # ZeRO-1 of each stage's optimizer state over its data group (2 x 2
     # mesh, Adam, 2 micro-batches per update): exact, each worker holds

@@ -7,8 +7,11 @@ optimizer given on the command line. TensorFlow runs one op at a time
 (inter-op parallelism 1) so the peak does not depend on how concurrent ops
 happened to overlap.
 
-Usage: parallel_optimizer_memory_worker.py OPTIMIZER ZERO_STAGE, OPTIMIZER in
-adam, sgd (no momentum: no slots).
+Usage: parallel_optimizer_memory_worker.py OPTIMIZER ZERO_STAGE [CONFIG ...],
+OPTIMIZER in adam, sgd (no momentum: no slots). After the memory is read,
+the same processes run parallel_optimizer_worker's CONFIGs (its result
+under "configs"): they cannot move the figure already taken, and they spare
+the suite a launch of their own.
 """
 
 import resource
@@ -44,7 +47,7 @@ def anonymous():
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
-def main(name, zero):
+def main(name, zero, configs):
     n = strategy.num_replicas_in_sync
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -62,16 +65,21 @@ def main(name, zero):
     built = peak()
     po = keras_comm.callbacks.ParallelOptimizer(zero_stage=zero)
     model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[po])
-    write_result({
+    out = {
         "rank": int(strategy.cluster_resolver.task_id),
         "peak": peak(),
         "anonymous": anonymous(),
         "built": built,
         "state": po.state_bytes(breakdown=True),
         "weights": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
-    })
+    }
+    if configs:
+        import parallel_optimizer_worker
+
+        out["configs"] = parallel_optimizer_worker.results(strategy, configs)
+    write_result(out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
     finish()  # _cluster.finish: skip the slow teardown

@@ -9,6 +9,10 @@ weight difference, the state bytes and a checksum of the final weights
 
 Usage: parallel_optimizer_worker.py CONFIG [CONFIG ...], CONFIG = opt:acc:zero
 with opt in sgd, adam, adamw (suffix +lso for a LossScaleOptimizer).
+`results(strategy, configs)` runs them in a worker of another launch too
+(workers/parallel_optimizer_memory_worker.py: the 2-worker configurations
+ride in its launches, which pay the import and the cluster's setup anyway).
+Import this module only after creating the strategy (TF_CONFIG is read once).
 """
 
 import sys
@@ -19,21 +23,12 @@ import tensorflow as tf
 
 from _cluster import finish, write_result
 
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-import keras  # noqa: E402
-
-import keras_comm  # noqa: E402  (after the strategy: TF_CONFIG is read once)
-
-N = strategy.num_replicas_in_sync
-RANK = int(strategy.cluster_resolver.task_id)
-MICRO = 2 * N  # global micro-batch: 2 samples per worker
 STEPS = 8  # micro-batches per epoch
 
 
-def data():
+def data(n_workers):
     rng = np.random.default_rng(0)
-    n = MICRO * STEPS
+    n = 2 * n_workers * STEPS
     return (
         rng.normal(size=(n, 5)).astype("float32"),
         rng.normal(size=(n, 3)).astype("float32"),
@@ -41,6 +36,8 @@ def data():
 
 
 def optimizer(spec):
+    import keras
+
     name, lso = spec.split("+")[0], spec.endswith("+lso")
     opt = {
         "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -51,6 +48,8 @@ def optimizer(spec):
 
 
 def model(spec):
+    import keras
+
     keras.utils.set_random_seed(1)
     m = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
@@ -66,15 +65,18 @@ def dataset(x, y, batch):
     return ds.with_options(options)
 
 
-def run(config, x, y):
+def run(strategy, config, x, y):
+    import keras_comm
+
+    micro = 2 * strategy.num_replicas_in_sync  # global micro-batch: 2 samples per worker
     spec, acc, zero = config.split(":")
     acc, zero = int(acc), int(zero)
     with strategy.scope():
         parallel = model(spec)
     po = keras_comm.callbacks.ParallelOptimizer(accumulation_steps=acc, zero_stage=zero)
-    parallel.fit(dataset(x, y, MICRO), epochs=2, verbose=0, callbacks=[po])
+    parallel.fit(dataset(x, y, micro), epochs=2, verbose=0, callbacks=[po])
     single = model(spec)
-    single.fit(dataset(x, y, MICRO * acc), epochs=2, verbose=0)
+    single.fit(dataset(x, y, micro * acc), epochs=2, verbose=0)
     rel = max(
         float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
         for a, b in zip(parallel.get_weights(), single.get_weights())
@@ -89,15 +91,20 @@ def run(config, x, y):
     }
 
 
-def main(configs):
-    x, y = data()
+def results(strategy, configs):
+    """``{"rank", "world", "results": {config: run's dict}, "seconds"}``."""
+    x, y = data(strategy.num_replicas_in_sync)
     start = time.time()
-    results = {c: run(c, x, y) for c in configs}
-    write_result(
-        {"rank": RANK, "world": N, "results": results, "seconds": time.time() - start}
-    )
+    out = {c: run(strategy, c, x, y) for c in configs}
+    return {
+        "rank": int(strategy.cluster_resolver.task_id),
+        "world": strategy.num_replicas_in_sync,
+        "results": out,
+        "seconds": time.time() - start,
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    write_result(results(strategy, sys.argv[1:]))
     finish()  # _cluster.finish: skip the slow teardown

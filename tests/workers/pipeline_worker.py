@@ -6,7 +6,8 @@ check (one replica per worker):
 - exact: each configuration (CONFIGS: stages, micro-batches, schedule,
   mesh) trains with `model.fit` and is compared (full weights, gathered)
   with the unsplit model trained in this process without a strategy on the
-  same global batches; `evaluate` and `predict` are compared too;
+  same global batches; `evaluate` and `predict` are compared too, for
+  OUTPUT_CONFIGS (every configuration under KERAS_COMM_FULL_GRID=1);
 - bn: stages holding BatchNormalization, 1F1B on a 2 x 2 data x pipeline
   mesh, against the unsplit model trained micro-batch by micro-batch (the
   moving statistics, averaged over each stage's data group, included, and
@@ -21,10 +22,14 @@ check (one replica per worker):
   accumulation_steps=2), Adam: the stage buffer's moments sharded over the
   stage's data group; exact against the unsplit model, the optimizer state
   a worker holds, peak RSS, and a resume with BackupAndRestore.
+
+KERAS_COMM_FULL_GRID=1 adds FULL_CONFIGS.
 """
 
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +63,20 @@ CONFIGS = {
     "p4_m2_gpipe": (4, 2, "gpipe", None),
     "p2x2_m1_gpipe": (2, 1, "gpipe", (2, 2)),
     "p2x2_m4_1f1b": (2, 4, "1f1b", (2, 2)),
-    "p2x2_m8_gpipe": (2, 8, "gpipe", (2, 2)),
     "p2x2_m2_1f1b_post": (2, 2, "1f1b", (2, 2)),
     # Stage 0 tensor-parallel over a "model" axis (mesh pipeline x model).
     "p2xtp2_m2_gpipe": (2, 2, "gpipe", "tp"),
 }
+FULL = os.environ.get("KERAS_COMM_FULL_GRID") == "1"
+# The layer's path (GPipe) on the 2 x 2 mesh with 8 micro-batches: the same
+# code as p2x2_m1_gpipe's with more micro-batches (8 run in p4_m8_1f1b).
+FULL_CONFIGS = {"p2x2_m8_gpipe": (2, 8, "gpipe", (2, 2))}
+if FULL:
+    CONFIGS.update(FULL_CONFIGS)
+# evaluate and predict run the forward half of the schedule's table, the
+# same for GPipe and 1F1B (tests/test_schedules.py): compared for each stage
+# count, mesh, layer after the pipeline, and tensor-parallel stage once.
+OUTPUT_CONFIGS = set(CONFIGS) if FULL else {"p4_m8_1f1b", "p2x2_m1_gpipe", "p2x2_m2_1f1b_post", "p2xtp2_m2_gpipe"}
 assert N == 4, N
 
 
@@ -139,24 +153,26 @@ def exact(name):
     x, y = data(batch, 2 if post else WIDTHS[p - 1])
     h = model.fit(dataset(x, y, batch), epochs=1, verbose=0).history
     h_ref = ref.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0).history
-    ev = model.evaluate(dataset(x, y, batch), verbose=0, return_dict=True)
-    ev_ref = ref.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
-    pred = model.predict(dataset(x, y, batch), verbose=0)
     layer = [lay for lay in model.layers if isinstance(lay, P.Pipeline)][0]
     (buffer,) = [v for v in model.trainable_variables if "stage_weights" in v.path]
     stage = layer._held_stages(RANK)[0]
-    return {
+    out = {
         "weights_rel": rel(ref.get_weights(), P.full_weights(model)),
         "loss_rel": abs(h["loss"][0] - h_ref["loss"][0]) / abs(h_ref["loss"][0]),
-        "eval_rel": max(abs(ev[k] - ev_ref[k]) / abs(ev_ref[k]) for k in ("loss", "mae")),
-        "predict_rel": rel([ref.predict(x, verbose=0)], [pred]),
-        "predict_rows": int(pred.shape[0]),
         "buffer_bytes": int(np.prod(buffer.shape)) * 4,
         "own_stage_bytes": layer.stage_nbytes(stage),
         "all_stage_bytes": sum(layer.stage_nbytes(s) for s in range(p)),
         "trainable_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
         "stage": stage,
     }
+    if name in OUTPUT_CONFIGS:
+        ev = model.evaluate(dataset(x, y, batch), verbose=0, return_dict=True)
+        ev_ref = ref.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        pred = model.predict(dataset(x, y, batch), verbose=0)
+        out["eval_rel"] = max(abs(ev[k] - ev_ref[k]) / abs(ev_ref[k]) for k in ("loss", "mae"))
+        out["predict_rel"] = rel([ref.predict(x, verbose=0)], [pred])
+        out["predict_rows"] = int(pred.shape[0])
+    return out
 
 
 def bn_exact():
@@ -279,10 +295,22 @@ def zero_case(state_dir):
 
 
 def main(state_dir):
-    out = {"rank": RANK, "exact": {name: exact(name) for name in CONFIGS}}
+    cpu = {"import": time.process_time()}  # the suite's cost, per phase
+
+    def lap(key):
+        cpu[key] = round(time.process_time() - sum(cpu.values()), 2)
+
+    out = {"rank": RANK, "exact": {}}
+    for name in CONFIGS:
+        out["exact"][name] = exact(name)
+        lap(name)
     out["bn"] = bn_exact()
+    lap("bn")
     out.update(save_and_resume(state_dir))
+    lap("resume")
     out["zero"] = zero_case(state_dir)
+    lap("zero")
+    out["cpu_seconds"] = cpu
     write_result(out)
 
 
