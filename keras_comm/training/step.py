@@ -112,13 +112,14 @@ def make_function(model, replica_step):
         return function
 
     def step_on_replica(data):
-        return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
+        with tf.control_dependencies(_tensors_of(data)):
+            return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         with fusion_scope():
             outputs = strategy.run(step_on_replica, args=(data,))
-        outputs = metrics.reduce_step_outputs(model, strategy, outputs)
+        outputs = metrics.reduce_step_outputs(model, strategy, outputs, after=data)
         if not model.run_eagerly:
             watchdog.restart()  # tracing ends here: the step's clock starts
         return outputs
@@ -129,28 +130,32 @@ def make_function(model, replica_step):
         )
     one_step_on_data = keras_api.autoconvert_optionals(model, one_step_on_data)
 
-    # The batch is pulled in a compiled function, not by `next(iterator)` on
-    # the host: an eager `next` on a distributed iterator runs its
-    # end-of-data agreement (a scalar all-reduce of "has a value") as an
-    # eager collective, through a `ThreadPool` TensorFlow creates and drops
-    # at every call, and the eager ops of `get_next_as_optional` one by one
-    # (issue 18). Compiled, the same agreement is one graph collective. The
-    # host reads only whether any worker had data, so a call at the end of
-    # data runs nothing of the step.
+    # One compiled call per step, pull and step together, as tf-keras's
+    # `train_function` (issue 18): `get_next` inside the function, and
+    # `OutOfRangeError` from the call at the end of data. Under MWMS the
+    # distributed iterator's `get_next` first agrees across workers on the
+    # end of data (a scalar all-reduce of "has a value", outside any
+    # control flow), then takes a batch, or an empty one on a worker whose
+    # shard is out, in a `tf.cond` that holds no collective; when no worker
+    # has data every worker raises `OutOfRangeError` on the same call.
+    # Nothing of the step may run on that call: not its input-independent
+    # ops (the optimizer's iteration count), nor a collective, which would be
+    # left pending when the call fails (an aborted collective aborts every
+    # later one of the process). So every op of the step waits for the
+    # batch: a control dependency on it here (ops of this thread), in
+    # `step_on_replica` (the replica threads, whose `merge_call`s inherit
+    # it) and in the metric all-reduce (`after=data`). An eager `next` on a
+    # distributed iterator would
+    # run that agreement as an eager collective through a `ThreadPool`
+    # TensorFlow creates per call; compiled, it is one graph collective.
     @tf.autograph.experimental.do_not_convert
-    def next_optional(iterator):
-        optional = iterator.get_next_as_optional()
-        if not model.run_eagerly:
-            watchdog.restart()
-        return optional
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_optional(optional):
-        return one_step_on_data(optional.get_value())
+    def one_step_on_iterator(iterator):
+        data = iterator.get_next()
+        with tf.control_dependencies(_tensors_of(data)):
+            return one_step_on_data(data)
 
     if not model.run_eagerly:
-        next_optional = tf.function(next_optional)
-        one_step_on_optional = tf.function(one_step_on_optional, reduce_retracing=True)
+        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
 
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
@@ -158,32 +163,26 @@ def make_function(model, replica_step):
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
-            # The pull and the step each get their own guard, so their
-            # clocks do not add up: a batch that is slow to arrive (a loaded
-            # input pipeline, the first batch of an iterator) does not eat
-            # into the step's timeout, nor the step into the pull's. Both
-            # report under the step's site, since a pull that never
-            # completes is a peer that stopped before this step: its
-            # end-of-data agreement is a collective.
-            with errors.collective_errors(), watchdog.guard(site):
-                # Under MWMS the distributed iterator agrees across workers
-                # on the end of data: a worker with no samples left gets an
-                # empty batch until every worker is out, so all run the
-                # same steps, and all see "no value" on the same call.
-                try:
-                    optional = next_optional(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    break
-                has_value = bool(optional.has_value())
-            if not has_value:
+            # One guard per call, which pulls and steps; its clock starts
+            # when tracing ends (`watchdog.restart` in the step).
+            try:
+                with errors.collective_errors(), watchdog.guard(site):
+                    outputs = one_step_on_iterator(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                # Every worker meets the end of data on the same call.
                 break
-            with errors.collective_errors(), watchdog.guard(site):
-                outputs = one_step_on_optional(optional)
         if outputs is None:
             raise StopIteration
         return outputs
 
     return _releasing_previous_iterator(function)
+
+
+def _tensors_of(data):
+    """The tensors a batch is made of (per-replica values and composites opened)."""
+    return [
+        t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)
+    ]
 
 
 def make_predict_function(model, force=False):
@@ -253,6 +252,19 @@ def _concat(tensors):
     if tensors[0].shape.rank == 0:
         return tf.stack(tensors)
     return tf.concat(tensors, axis=0)
+
+
+def one_iterator_per_epoch(epoch_iterator):
+    """Whether Keras's epoch iterator skips its spare iterator (issue 18).
+
+    Under MultiWorkerMirroredStrategy (one worker too) each epoch of `fit`
+    and each `evaluate` creates only the distributed iterator it uses
+    (`keras_api.enumerate_epoch_one_iterator`): upstream also builds, as each
+    epoch ends, one the next epoch discards -- a multi-device iterator
+    created and then destroyed on the host before the next epoch's first
+    step. Other strategies keep upstream's generator.
+    """
+    return is_mwms(keras_api.epoch_iterator_strategy(epoch_iterator), min_replicas=1)
 
 
 # --- Where the previous epoch's iterator is destroyed (issue 18) ------------
