@@ -5,7 +5,10 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 `evaluate`'s), `make_predict_function` (`predict`'s) or
 `compile_replica_call` (a step with no input batch). In order, a step:
 
-1. pulls one batch on the host (the host loop of `steps_per_execution`);
+1. pulls one batch inside the compiled call (under
+   MultiWorkerMirroredStrategy `fit`'s and `evaluate`'s step is one compiled
+   call per batch, pull and step, as tf-keras's; the host loops over
+   `steps_per_execution` calls);
 2. runs the policy's replica step under `strategy.run` inside one
    `fusion_scope` (all-reduces sharing a `fusion` id become one transfer);
 3. reduces its outputs: exact global metrics (`keras_comm.training.metrics`),
@@ -81,6 +84,8 @@ def make_function(model, replica_step):
 
     - Step logs that are the model's metrics are computed from the metrics'
       state summed over all replicas (`metrics.reduce_step_outputs`).
+    - Each step is one compiled call that pulls its batch and runs the step;
+      the end of data is its `OutOfRangeError` (see `one_step_on_iterator`).
     - `steps_per_execution > 1` runs as a host loop over single-step calls.
       Upstream calls the step `tf.function` inside a `tf.while_loop`/`tf.cond`;
       TF's collectives take their instance keys as call-time captures, which
