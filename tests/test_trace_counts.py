@@ -129,8 +129,9 @@ def test_no_retrace_after_first_epoch_single_process(monkeypatch):
 @pytest.mark.parametrize("num_replicas", [2])
 def test_no_retrace_after_first_epoch_mwms(monkeypatch, num_replicas):
     log = _fit_logging_traces(monkeypatch, make_strategy(num_replicas))
-    # keras_comm's step pulls its batch inside the compiled call.
-    _check(log, step="one_step_on_iterator")
+    # keras_comm's step takes the batch as a `tf.experimental.Optional`
+    # pulled by a compiled `next_optional`.
+    _check(log, step="one_step_on_optional")
     # The data path, counted (issue 18): no batch pulled eagerly (on real
     # workers each eager pull all-reduces "has data" through a new
     # ThreadPool: 7 train + 7 validation pulls per epoch here before).
@@ -213,25 +214,25 @@ def _fit_counting_calls(monkeypatch, strategy, samples=100, epochs=3):
     return log
 
 
-def test_one_compiled_call_per_step_and_one_iterator_per_epoch_mwms(monkeypatch):
+def test_two_compiled_calls_per_step_and_one_iterator_per_epoch_mwms(monkeypatch):
     # 100 samples in batches of 16: 7 train and 7 validation steps per epoch.
-    # Each step is one compiled call that pulls its batch and steps (as
-    # tf-keras's train_function), not a pull and a step; each epoch creates
-    # one distributed iterator for fit and one for its validation, not also
-    # the spare one upstream's epoch iterator builds as each epoch ends.
+    # Each step is two compiled calls, the pull and the step (a step that
+    # made more, or pulled eagerly, fails here); each epoch creates one
+    # distributed iterator for fit and one for its validation, not also the
+    # spare one upstream's epoch iterator builds as each epoch ends.
     log = _fit_counting_calls(monkeypatch, make_strategy(2))
     for epoch in (1, 2):
-        assert dict(log.calls[epoch]) == {"one_step_on_iterator": 7 + 7}, (
-            epoch, dict(log.calls[epoch]))
+        assert dict(log.calls[epoch]) == {
+            "next_optional": 7 + 7, "one_step_on_optional": 7 + 7}, (epoch, dict(log.calls[epoch]))
         assert log.iterators[epoch] == 2, (epoch, dict(log.iterators))
     # The first epoch traces, then counts the same.
-    assert log.calls[0]["one_step_on_iterator"] == 7 + 7, dict(log.calls[0])
+    assert log.calls[0]["one_step_on_optional"] == 7 + 7, dict(log.calls[0])
     assert log.iterators[0] == 2, dict(log.iterators)
 
 
-def test_end_of_data_by_out_of_range_mwms(monkeypatch):
-    # A dataset of unknown length: each epoch ends when the compiled call
-    # raises OutOfRangeError, every replica on the same call (2 replicas,
+def test_end_of_data_of_unknown_length_mwms(monkeypatch):
+    # A dataset of unknown length: each epoch ends when the pull finds no
+    # value on any replica, every replica on the same call (2 replicas,
     # 100 samples in batches of 16: the last batch is split unequally). That
     # call runs nothing of the step (its iteration count), and the next
     # epoch's collectives still work (an aborted collective would fail them).

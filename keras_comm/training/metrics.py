@@ -11,28 +11,18 @@ all-reduce and are exact and identical on every worker.
 import tensorflow as tf
 
 
-def reduce_step_outputs(model, strategy, outputs, after=None):
+def reduce_step_outputs(model, strategy, outputs):
     """Exact global metrics for metric logs; a mean over replicas otherwise.
 
     Outputs count as metric logs when their keys are those of the model's
     metrics (the test Keras applies in `_get_metrics_result_or_logs`).
-
-    Args:
-        after: optional per-replica values (the step's batch) the metric
-            state's all-reduce waits for, on each replica, even for a metric
-            the step did not update: in a call that can fail on its batch
-            (`OutOfRangeError` at the end of data) no collective may start
-            before the batch exists.
     """
     if _is_model_metrics_logs(model, outputs):
         variables = [v for m in model.metrics for v in m.variables]
         if not variables:
             return _metrics_result(model, lambda m: [])
         state = dict(
-            zip(
-                (id(v) for v in variables),
-                _global_metric_state(variables, strategy, after),
-            )
+            zip((id(v) for v in variables), _global_metric_state(variables, strategy))
         )
         return _metrics_result(model, lambda m: [state[id(v)] for v in m.variables])
     # A custom `train_step`'s outputs: upstream's "auto" reduction (a mean over
@@ -54,18 +44,14 @@ def _replica_contribution(variable, replica_id, num_replicas):
     return tf.where(tf.equal(replica_id, 0), value, tf.zeros_like(value))
 
 
-def _global_metric_state(variables, strategy, after=None):
+def _global_metric_state(variables, strategy):
     """All replicas' metric state, summed: one packed all-reduce in float64.
 
     float64 keeps integer-valued counters exact and rounding negligible
     whatever order the ring adds the pieces in.
     """
 
-    def local_state(after):
-        with tf.control_dependencies(_tensors_of(after)):
-            return _local_state()
-
-    def _local_state():
+    def local_state():
         context = tf.distribute.get_replica_context()
         replica_id = tf.cast(context.replica_id_in_sync_group, tf.int32)
         packed = tf.concat(
@@ -77,17 +63,11 @@ def _global_metric_state(variables, strategy, after=None):
         )
         return context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
 
-    packed = strategy.experimental_local_results(strategy.run(local_state, args=(after,)))[0]
+    packed = strategy.experimental_local_results(strategy.run(local_state))[0]
     sizes = [int(v.value.shape.num_elements()) for v in variables]
     return [
         tf.cast(tf.reshape(piece, v.value.shape), v.dtype)
         for piece, v in zip(tf.split(packed, sizes), variables)
-    ]
-
-
-def _tensors_of(values):
-    return [
-        t for t in tf.nest.flatten(values, expand_composites=True) if isinstance(t, tf.Tensor)
     ]
 
 

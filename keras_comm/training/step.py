@@ -5,10 +5,7 @@ micro-batch per step, under MultiWorkerMirroredStrategy: `fit`'s and
 `evaluate`'s), `make_predict_function` (`predict`'s) or
 `compile_replica_call` (a step with no input batch). In order, a step:
 
-1. pulls one batch inside the compiled call (under
-   MultiWorkerMirroredStrategy `fit`'s and `evaluate`'s step is one compiled
-   call per batch, pull and step, as tf-keras's; the host loops over
-   `steps_per_execution` calls);
+1. pulls one batch on the host (the host loop of `steps_per_execution`);
 2. runs the policy's replica step under `strategy.run` inside one
    `fusion_scope` (all-reduces sharing a `fusion` id become one transfer);
 3. reduces its outputs: exact global metrics (`keras_comm.training.metrics`),
@@ -84,8 +81,6 @@ def make_function(model, replica_step):
 
     - Step logs that are the model's metrics are computed from the metrics'
       state summed over all replicas (`metrics.reduce_step_outputs`).
-    - Each step is one compiled call that pulls its batch and runs the step;
-      the end of data is its `OutOfRangeError` (see `one_step_on_iterator`).
     - `steps_per_execution > 1` runs as a host loop over single-step calls.
       Upstream calls the step `tf.function` inside a `tf.while_loop`/`tf.cond`;
       TF's collectives take their instance keys as call-time captures, which
@@ -117,14 +112,13 @@ def make_function(model, replica_step):
         return function
 
     def step_on_replica(data):
-        with tf.control_dependencies(_tensors_of(data)):
-            return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
+        return replica_step(tf.nest.map_structure(_unknown_if_empty, data))
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         with fusion_scope():
             outputs = strategy.run(step_on_replica, args=(data,))
-        outputs = metrics.reduce_step_outputs(model, strategy, outputs, after=data)
+        outputs = metrics.reduce_step_outputs(model, strategy, outputs)
         if not model.run_eagerly:
             watchdog.restart()  # tracing ends here: the step's clock starts
         return outputs
@@ -135,32 +129,28 @@ def make_function(model, replica_step):
         )
     one_step_on_data = keras_api.autoconvert_optionals(model, one_step_on_data)
 
-    # One compiled call per step, pull and step together, as tf-keras's
-    # `train_function` (issue 18): `get_next` inside the function, and
-    # `OutOfRangeError` from the call at the end of data. Under MWMS the
-    # distributed iterator's `get_next` first agrees across workers on the
-    # end of data (a scalar all-reduce of "has a value", outside any
-    # control flow), then takes a batch, or an empty one on a worker whose
-    # shard is out, in a `tf.cond` that holds no collective; when no worker
-    # has data every worker raises `OutOfRangeError` on the same call.
-    # Nothing of the step may run on that call: not its input-independent
-    # ops (the optimizer's iteration count), nor a collective, which would be
-    # left pending when the call fails (an aborted collective aborts every
-    # later one of the process). So every op of the step waits for the
-    # batch: a control dependency on it here (ops of this thread), in
-    # `step_on_replica` (the replica threads, whose `merge_call`s inherit
-    # it) and in the metric all-reduce (`after=data`). An eager `next` on a
-    # distributed iterator would
-    # run that agreement as an eager collective through a `ThreadPool`
-    # TensorFlow creates per call; compiled, it is one graph collective.
+    # The batch is pulled in a compiled function, not by `next(iterator)` on
+    # the host: an eager `next` on a distributed iterator runs its
+    # end-of-data agreement (a scalar all-reduce of "has a value") as an
+    # eager collective, through a `ThreadPool` TensorFlow creates and drops
+    # at every call, and the eager ops of `get_next_as_optional` one by one
+    # (issue 18). Compiled, the same agreement is one graph collective. The
+    # host reads only whether any worker had data, so a call at the end of
+    # data runs nothing of the step.
     @tf.autograph.experimental.do_not_convert
-    def one_step_on_iterator(iterator):
-        data = iterator.get_next()
-        with tf.control_dependencies(_tensors_of(data)):
-            return one_step_on_data(data)
+    def next_optional(iterator):
+        optional = iterator.get_next_as_optional()
+        if not model.run_eagerly:
+            watchdog.restart()
+        return optional
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_optional(optional):
+        return one_step_on_data(optional.get_value())
 
     if not model.run_eagerly:
-        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+        next_optional = tf.function(next_optional)
+        one_step_on_optional = tf.function(one_step_on_optional, reduce_retracing=True)
 
     name = getattr(replica_step, "__name__", "step").lstrip("_")
     site = watchdog.Site(f"the model's {name}")
@@ -168,26 +158,32 @@ def make_function(model, replica_step):
     def function(iterator):
         outputs = None
         for _ in range(model.steps_per_execution):
-            # One guard per call, which pulls and steps; its clock starts
-            # when tracing ends (`watchdog.restart` in the step).
-            try:
-                with errors.collective_errors(), watchdog.guard(site):
-                    outputs = one_step_on_iterator(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                # Every worker meets the end of data on the same call.
+            # The pull and the step each get their own guard, so their
+            # clocks do not add up: a batch that is slow to arrive (a loaded
+            # input pipeline, the first batch of an iterator) does not eat
+            # into the step's timeout, nor the step into the pull's. Both
+            # report under the step's site, since a pull that never
+            # completes is a peer that stopped before this step: its
+            # end-of-data agreement is a collective.
+            with errors.collective_errors(), watchdog.guard(site):
+                # Under MWMS the distributed iterator agrees across workers
+                # on the end of data: a worker with no samples left gets an
+                # empty batch until every worker is out, so all run the
+                # same steps, and all see "no value" on the same call.
+                try:
+                    optional = next_optional(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    break
+                has_value = bool(optional.has_value())
+            if not has_value:
                 break
+            with errors.collective_errors(), watchdog.guard(site):
+                outputs = one_step_on_optional(optional)
         if outputs is None:
             raise StopIteration
         return outputs
 
     return _releasing_previous_iterator(function)
-
-
-def _tensors_of(data):
-    """The tensors a batch is made of (per-replica values and composites opened)."""
-    return [
-        t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)
-    ]
 
 
 def make_predict_function(model, force=False):
