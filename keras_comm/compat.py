@@ -44,6 +44,11 @@ tensorflow/tensorflow#72388), and where it runs it is not exact:
    (`keras_comm.callbacks._keras_callbacks`). Stock Keras lets every worker
    write the same files (`BlockingIOError: unable to lock file` for HDF5).
 
+6. `TFEpochIterator._enumerate_iterator` is replaced so that, under
+   MultiWorkerMirroredStrategy, an epoch creates only the tf.data iterator it
+   uses: upstream also creates one as each epoch ends that the next epoch
+   discards (`training.step.one_iterator_per_epoch`).
+
 This module only installs the fix: the step itself is owned by
 `keras_comm.training` (1 and 2: `training.step`; 3: `training.replicated`;
 4: `training.reduction`), whose docstrings describe each replacement.
@@ -176,6 +181,8 @@ def apply():
     # fit/evaluate: finished epochs' iterators released off the host, joined
     # before the call returns (training.step.releasing_iterators).
     keras_api.install_trainer_wrappers(step.releasing_iterators)
+    # Under MWMS one tf.data iterator per epoch, not two (issue 18).
+    keras_api.install_epoch_iterator(step.one_iterator_per_epoch)
     # Sharded optimizer slots saved full-size: keras_comm.parallel._checkpoint.
     from keras_comm.parallel import _checkpoint
 
@@ -198,6 +205,7 @@ def revert():
     keras_api.restore_trainer_methods()
     keras_api.restore_gradient_reduction()
     keras_api.restore_trainer_wrappers()
+    keras_api.restore_epoch_iterator()
     from keras_comm.parallel import _checkpoint
 
     _checkpoint.revert()

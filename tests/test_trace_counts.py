@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.eager.polymorphic_function import polymorphic_function
 from tensorflow.python.framework import func_graph
 
 import keras_comm  # noqa: F401  (applies compat)
@@ -163,3 +164,95 @@ def test_end_of_data_call_runs_nothing_of_the_step():
         )
     model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 10
+
+
+# --- What one step costs on the host, counted (issue 18) ---------------------
+
+
+class _CallLog(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch = "before fit"
+        self.calls = collections.defaultdict(collections.Counter)
+        self.iterators = collections.Counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+
+def _fit_counting_calls(monkeypatch, strategy, samples=100, epochs=3):
+    """`fit` with validation; per epoch: tf.function calls by name, iterators made."""
+    log = _CallLog()
+    original_call = polymorphic_function.Function.__call__
+
+    def counted_call(self, *args, **kwargs):
+        log.calls[log.epoch][self.__name__] += 1
+        return original_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(polymorphic_function.Function, "__call__", counted_call)
+    original_iter = input_lib.DistributedDataset.__iter__
+
+    def counted_iter(self):
+        log.iterators[log.epoch] += 1
+        return original_iter(self)
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counted_iter)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(samples,))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    model.fit(data, validation_data=data, epochs=epochs, verbose=0, callbacks=[log])
+    return log
+
+
+def test_two_compiled_calls_per_step_and_one_iterator_per_epoch_mwms(monkeypatch):
+    # 100 samples in batches of 16: 7 train and 7 validation steps per epoch.
+    # Each step is two compiled calls, the pull and the step (a step that
+    # made more, or pulled eagerly, fails here); each epoch creates one
+    # distributed iterator for fit and one for its validation, not also the
+    # spare one upstream's epoch iterator builds as each epoch ends.
+    log = _fit_counting_calls(monkeypatch, make_strategy(2))
+    for epoch in (1, 2):
+        assert dict(log.calls[epoch]) == {
+            "next_optional": 7 + 7, "one_step_on_optional": 7 + 7}, (epoch, dict(log.calls[epoch]))
+        assert log.iterators[epoch] == 2, (epoch, dict(log.iterators))
+    # The first epoch traces, then counts the same.
+    assert log.calls[0]["one_step_on_optional"] == 7 + 7, dict(log.calls[0])
+    assert log.iterators[0] == 2, dict(log.iterators)
+
+
+def test_end_of_data_of_unknown_length_mwms(monkeypatch):
+    # A dataset of unknown length: each epoch ends when the pull finds no
+    # value on any replica, every replica on the same call (2 replicas,
+    # 100 samples in batches of 16: the last batch is split unequally). That
+    # call runs nothing of the step (its iteration count), and the next
+    # epoch's collectives still work (an aborted collective would fail them).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(100,))
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(16)
+        .filter(lambda a, b: True)  # cardinality unknown
+    )
+    assert int(data.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    with make_strategy(2).scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(data, epochs=3, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3 * 7
+    assert len(history.history["loss"]) == 3
+    assert np.all(np.isfinite(history.history["loss"]))

@@ -186,6 +186,115 @@ def current_gradient_reduction():
     return _optimizer_class()._all_reduce_sum_gradients
 
 
+# --- The epoch iterator: one tf.data iterator per epoch ----------------------
+
+_EPOCH_ITERATOR_ORIGINAL_ATTR = "_keras_comm_original_enumerate_iterator"
+
+
+def _epoch_iterator_classes():
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.trainers import epoch_iterator
+
+    return epoch_iterator.EpochIterator, tf_trainer.TFEpochIterator
+
+
+def upstream_enumerate_iterator():
+    """Upstream's `EpochIterator._enumerate_iterator` (what TFEpochIterator inherits)."""
+    return _epoch_iterator_classes()[0].__dict__["_enumerate_iterator"]
+
+
+def install_epoch_iterator(choose):
+    """Replaces `TFEpochIterator._enumerate_iterator` by a chooser; idempotent.
+
+    Needed because upstream's generator, when `steps_per_epoch` is not given
+    and the number of batches is known, creates a new iterator over the
+    dataset as each epoch ends that the next epoch never uses (it creates its
+    own), so every epoch of `fit` and every `evaluate` builds two tf.data
+    iterators -- under MultiWorkerMirroredStrategy two multi-device iterators,
+    and the spare one is destroyed on the host at the next epoch's first
+    step. There is no public hook for how the epoch iterator enumerates.
+
+    Args:
+        choose: ``choose(epoch_iterator) -> bool``: whether this iterator
+            enumerates with `enumerate_epoch_one_iterator` (else upstream's).
+    """
+    _, cls = _epoch_iterator_classes()
+    if _EPOCH_ITERATOR_ORIGINAL_ATTR in cls.__dict__:
+        return
+    upstream = upstream_enumerate_iterator()
+
+    def _enumerate_iterator(self):
+        if choose(self):
+            return enumerate_epoch_one_iterator(self)
+        return upstream(self)
+
+    setattr(cls, _EPOCH_ITERATOR_ORIGINAL_ATTR, upstream)
+    cls._enumerate_iterator = _enumerate_iterator
+
+
+def restore_epoch_iterator():
+    """Undoes `install_epoch_iterator`; a no-op when not installed."""
+    _, cls = _epoch_iterator_classes()
+    if _EPOCH_ITERATOR_ORIGINAL_ATTR in cls.__dict__:
+        del cls._enumerate_iterator
+        delattr(cls, _EPOCH_ITERATOR_ORIGINAL_ATTR)
+
+
+def epoch_iterator_installed():
+    """Whether `install_epoch_iterator` is in effect."""
+    return _EPOCH_ITERATOR_ORIGINAL_ATTR in _epoch_iterator_classes()[1].__dict__
+
+
+def epoch_iterator_strategy(epoch_iterator):
+    """The strategy a `TFEpochIterator` distributes its dataset with."""
+    return epoch_iterator._distribute_strategy
+
+
+def _yields_end_step():
+    # Keras 3.11 added the last step of each execution to what it yields.
+    return tuple(int(p) for p in keras.version().split(".")[:2]) >= (3, 11)
+
+
+def enumerate_epoch_one_iterator(self):
+    """Upstream's `EpochIterator._enumerate_iterator` without the spare iterator.
+
+    Mirrors upstream line by line (hashed in `relied_on`). One difference:
+    when `steps_per_epoch` is None and the number of batches is known,
+    upstream ends the epoch with ``self._current_iterator =
+    iter(self._get_iterator())``, an iterator the next epoch discards unused
+    (its ``self.steps_per_epoch is None`` test creates another). Here the
+    epoch ends with no current iterator, so the next epoch creates the one
+    it uses, as it did, and no other. With `steps_per_epoch` given (where
+    upstream does carry the iterator over) or an unknown number of batches
+    (one iterator per epoch already), upstream's generator runs unchanged.
+    """
+    if self.steps_per_epoch or not self._num_batches:
+        yield from upstream_enumerate_iterator()(self)
+        return
+    self.data_adapter.on_epoch_begin()
+    steps_per_epoch = self._num_batches
+    # Upstream's condition `self._current_iterator is None or
+    # self.steps_per_epoch is None` holds: a fresh iterator every epoch.
+    self._current_iterator = iter(self._get_iterator())
+    self._steps_seen = 0
+    for step in range(0, steps_per_epoch, self.steps_per_execution):
+        if self._num_batches and self._steps_seen >= self._num_batches:
+            break  # upstream warns only when `steps_per_epoch` was given
+        self._steps_seen += self.steps_per_execution
+        if _yields_end_step():
+            yield (
+                step,
+                step + self.steps_per_execution - 1,
+                self._current_iterator,
+            )
+        else:  # Keras 3.10: (step, iterator)
+            yield step, self._current_iterator
+    if self._num_batches and self._steps_seen >= self._num_batches:
+        self._current_iterator = None  # upstream: a spare iterator here
+        self._steps_seen = 0
+    self.data_adapter.on_epoch_end()
+
+
 # --- Callbacks: adapted to the strategy where `fit` builds its list -----------
 
 _CALLBACK_LIST_ORIGINAL_ATTR = "_keras_comm_original_init"
@@ -511,8 +620,9 @@ def _keras_saveable():
 def relied_on():
     """The private Keras functions keras_comm replaces, calls or mirrors, by name.
 
-    Replaced (their originals): the four trainer methods and the
-    optimizer's gradient all-reduce. Called: the accessors above. Mirrored or
+    Replaced (their originals): the four trainer methods, the
+    optimizer's gradient all-reduce and, mirrored, the epoch iterator's
+    `_enumerate_iterator` (with the `reset`/`__next__` that drive it). Called: the accessors above. Mirrored or
     relied on for behaviour: the base trainer's metric logs (the exact metric
     reduction mirrors `get_metrics_result` and the key test of
     `_get_metrics_result_or_logs`), `predict`'s cross-worker concat, the
@@ -555,6 +665,11 @@ def relied_on():
             "_autoconvert_optionals"
         ),
         "TFEpochIterator._get_iterator": tf_trainer.TFEpochIterator._get_iterator,
+        # Mirrored by `enumerate_epoch_one_iterator`; the base's, which
+        # TFEpochIterator inherits (and `__next__`/`reset` drive).
+        "EpochIterator._enumerate_iterator": upstream_enumerate_iterator(),
+        "EpochIterator.reset": _epoch_iterator_classes()[0].reset,
+        "TFEpochIterator.__next__": tf_trainer.TFEpochIterator.__next__,
         # keras_comm's predict step is called as upstream's: a list of batches.
         "TensorFlowTrainer.predict": trainer_class().predict,
         "Trainer._symbolic_build": trainer._symbolic_build,

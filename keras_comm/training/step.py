@@ -255,6 +255,19 @@ def _concat(tensors):
     return tf.concat(tensors, axis=0)
 
 
+def one_iterator_per_epoch(epoch_iterator):
+    """Whether Keras's epoch iterator skips its spare iterator (issue 18).
+
+    Under MultiWorkerMirroredStrategy (one worker too) each epoch of `fit`
+    and each `evaluate` creates only the distributed iterator it uses
+    (`keras_api.enumerate_epoch_one_iterator`): upstream also builds, as each
+    epoch ends, one the next epoch discards -- a multi-device iterator
+    created and then destroyed on the host before the next epoch's first
+    step. Other strategies keep upstream's generator.
+    """
+    return is_mwms(keras_api.epoch_iterator_strategy(epoch_iterator), min_replicas=1)
+
+
 # --- Where the previous epoch's iterator is destroyed (issue 18) ------------
 #
 # `fit` drops the last reference to an epoch's iterator on the host thread
