@@ -263,8 +263,13 @@ class Pipeline(_common.ParallelLayer):
             whole world is one pipeline: the world size must be p).
         axis: the mesh axis holding the stages.
         seed: int base seed for stage weights whose initializer has no seed
-            (None: derived from each weight's path; the same on every
-            worker, so replicas of one stage agree).
+            (None: derived from the pipeline's name, the stage, and each
+            weight's index and name in it -- not from the stage layers'
+            automatic names, which count the layers a process made before --
+            so replicas of one stage agree as long as every worker gives the
+            pipeline the same name, as it does when all build the same
+            model). Stages built before the pipeline keep their values:
+            build them from the same seed on every worker.
         timeout: seconds; None for `keras_comm.get_timeout()`.
 
     Input shape: ``stages[0]``'s. Output shape: ``stages[-1]``'s.
@@ -643,10 +648,16 @@ class Pipeline(_common.ParallelLayer):
             if keras_api.tf_variable(v) is not None:  # a stage built before
                 values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
                 continue
+            # Not `v.path`: it holds the stage layers' automatic names
+            # ("dense_7"), numbered by how many layers this process made
+            # before, so a worker that built another model first (a chief's
+            # evaluation model) gave its replica of a stage other initial
+            # values than the stage's other replicas had, and the data group
+            # trained on silently mixed weights.
             seed = (
                 self.seed + 1000 * s + k
                 if self.seed is not None
-                else zlib.crc32(f"{self.name}/{s}/{k}/{v.path}".encode()) % (2**31)
+                else zlib.crc32(f"{self.name}/{s}/{k}/{v.name}".encode()) % (2**31)
             )
             init = _seeded_initializer(keras_api.deferred_initializer(v), seed)
             values.append(np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype))))

@@ -148,6 +148,12 @@ def exact(name):
     p, m, schedule, mesh = CONFIGS[name]
     post = name.endswith("_post")
     batch = 2 * N * m  # global batch
+    if CHIEF:
+        # The chief alone makes layers first (as a script whose chief builds an
+        # evaluation model does): its layer names are numbered further on than
+        # the other workers', which must not change the stages' initial values
+        # (on the data x pipeline mesh replicas of a stage would disagree).
+        keras.layers.Dense(1), keras.layers.Dense(1)
     model = build(p, m, schedule, mesh, post)
     ref = reference(p, post, P.full_weights(model), mesh)
     x, y = data(batch, 2 if post else WIDTHS[p - 1])
