@@ -64,6 +64,24 @@ class _TracesEveryEpoch(keras.callbacks.Callback):
         tf.function(lambda: tf.constant(epoch))()
 
 
+def _classifier(strategy, samples):
+    """`samples` rows in batches of 16 (cached) and a small compiled classifier."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(samples,))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
+        )
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return data, model
+
+
 def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
     log = _TraceLog()
     original = func_graph.func_graph_from_py_func
@@ -82,21 +100,9 @@ def _fit_logging_traces(monkeypatch, strategy, extra_callbacks=()):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(input_lib.DistributedIterator, method, counted)
-    rng = np.random.default_rng(0)
     # 100 samples in batches of 16: 6 full batches and a partial one, so the
     # end-of-data path (and on 2 replicas, unequal shards) runs every epoch.
-    x = rng.normal(size=(100, 8)).astype("float32")
-    y = rng.integers(0, 3, size=(100,))
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
-        )
-        model.compile(
-            "adam",
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+    data, model = _classifier(strategy, 100)
     model.fit(
         data,
         validation_data=data,
@@ -197,19 +203,7 @@ def _fit_counting_calls(monkeypatch, strategy, samples=100, epochs=3):
         return original_iter(self)
 
     monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counted_iter)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, 8)).astype("float32")
-    y = rng.integers(0, 3, size=(samples,))
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).cache()
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
-        )
-        model.compile(
-            "adam",
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+    data, model = _classifier(strategy, samples)
     model.fit(data, validation_data=data, epochs=epochs, verbose=0, callbacks=[log])
     return log
 
