@@ -2,9 +2,10 @@
 
 Issue 18: with `keras_comm.set_gradient_bucket_bytes(n)` `fit`'s optimizer
 sums the gradients in buckets, last layer first, each of which may start
-while the backward of earlier layers still runs; the default is one packed
-all-reduce after the whole backward. This measures both on a model sized so
-that the gradient all-reduce and the backward take similar time.
+while the backward of earlier layers still runs (on by default at 8 MiB;
+`set_gradient_bucket_bytes(0)` is one packed all-reduce after the whole
+backward, upstream's way). This measures both on a model sized so that the
+gradient all-reduce and the backward take similar time.
 
 Worker side (run under `keras_comm_run`), per configuration (bucket bytes,
 0 = one pack) one copy of the same MLP, traced with its setting:
