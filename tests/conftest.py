@@ -6,6 +6,9 @@ can run 2 or 4 replicas of a `MultiWorkerMirroredStrategy` in this process.
 Multi-process tests live beside them and use `tests/_cluster.py`.
 """
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -147,3 +150,57 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
+
+
+# --- containment: one aborted collective must not fail every later test -----
+#
+# Once a collective of a process is aborted (a keras_comm timeout, a peer's
+# error), TensorFlow fails every later collective of that process, and
+# nothing short of discarding the eager context (and with it every variable
+# and strategy the process holds) resets it. An in-process test that fails
+# that way would take every later in-process test on the same pytest-xdist
+# worker with it: CI on 2026-12-02 turned one timeout into 158 failures.
+# So after such a test, an xdist worker process exits: xdist reports the
+# test once more ("worker crashed"), starts a fresh worker and hands it the
+# rest. Without xdist (`-n 0`) the later in-process tests fail at setup,
+# naming the test that aborted the process's collectives.
+_ABORT_TEXT = "Collective ops is aborted"
+_aborted_by = None
+
+
+def _is_collective_abort(exc):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, tf.errors.OpError) and _ABORT_TEXT in (exc.message or ""):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    global _aborted_by
+    yield
+    if _aborted_by is None and call.excinfo is not None and _is_collective_abort(call.excinfo.value):
+        _aborted_by = item.nodeid
+
+
+def pytest_runtest_setup(item):
+    if _aborted_by is not None and item.get_closest_marker("inprocess") is not None:
+        pytest.fail(
+            f"{_aborted_by} aborted this process's collectives, and TensorFlow "
+            "fails every later one: run this test in a fresh process."
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if _aborted_by == item.nodeid and os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(
+            f"\nconftest: {item.nodeid} aborted this process's collectives; "
+            "this pytest-xdist worker exits so that a fresh one runs the rest.\n"
+        )
+        sys.stderr.flush()
+        os._exit(3)
