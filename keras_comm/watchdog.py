@@ -40,8 +40,10 @@ for _ in range(steps):
 """
 
 import contextlib
+import sys
 import threading
 import time
+import traceback
 import warnings
 
 import tensorflow as tf
@@ -204,4 +206,22 @@ def message(site, seconds):
 
 
 def _abort(entry):
-    tf_api.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message(entry.site, entry.seconds))
+    text = message(entry.site, entry.seconds)
+    # Where the host was when the deadline passed: which call the main
+    # thread waited in, and what any other thread (a callback's, an input
+    # pipeline's) was doing. Written before the abort, which may wake them.
+    sys.stderr.write(f"{text}\n{thread_stacks()}")
+    sys.stderr.flush()
+    tf_api.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, text)
+
+
+def thread_stacks():
+    """Every Python thread's stack, as text (the watchdog's own left out)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident != me:
+            stack = "".join(traceback.format_stack(frame))
+            parts.append(f"keras_comm: thread {names.get(ident, ident)!r} at the timeout:\n{stack}")
+    return "".join(parts)

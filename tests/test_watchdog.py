@@ -166,6 +166,9 @@ def test_a_hung_call_is_aborted_with_deadline_exceeded():
         "keras_comm: the lonely step did not finish within 1.5 s (keras_comm's collective timeout)"
     ), out
     assert "TensorFlow's error:" in out["message"]
+    # stderr says where the host waited: the main thread in the compiled call.
+    dump = proc.stderr.partition("keras_comm: thread 'MainThread' at the timeout:")[2]
+    assert "in <module>" in dump and "in call_function" in dump, proc.stderr[-3000:]
 
 
 @pytest.mark.inprocess
