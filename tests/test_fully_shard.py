@@ -21,13 +21,6 @@ from conftest import make_strategy
 from workers import fully_shard_worker as cases
 
 
-@pytest.fixture(autouse=True)
-def _short_timeout():
-    old = keras_comm.get_timeout()
-    keras_comm.set_timeout(60)
-    yield
-    keras_comm.set_timeout(old)
-
 
 def _check_fit(got):
     for key in ("start_rel", "loss_rel", "weights_rel", "evaluate_rel", "predict_rel"):
@@ -100,9 +93,6 @@ def test_exactness_grid_matches_unwrapped():
     evaluate and predict (after each replica count's first case) equal the
     unwrapped model's; every replica holds 1/n of every trainable weight
     (plus < n padding each). One test reports every failing case."""
-    # A 4-replica step of the three models has run past 60 s on this
-    # machine under load (every replica's trace in one process).
-    keras_comm.set_timeout(300)
     failures = {}
     for n, grid_cases in _grid_cases().items():
         results = cases.grid(make_strategy(n), grid_cases)

@@ -16,13 +16,6 @@ from keras_comm import parallel as P
 from conftest import make_strategy
 from workers import parallel_worker as cases
 
-@pytest.fixture(autouse=True)
-def _short_timeout():
-    old = keras_comm.get_timeout()
-    keras_comm.set_timeout(60)
-    yield
-    keras_comm.set_timeout(old)
-
 
 @pytest.mark.inprocess
 @pytest.mark.parametrize("n, mesh", [(2, None), (4, (2, 2))], ids=["tp2", "dp2xtp2"])
