@@ -47,7 +47,9 @@ _functions = weakref.WeakKeyDictionary()
 
 def worker_count(strategy):
     """How many worker processes `strategy` spans (1 outside MWMS)."""
-    devices = len(getattr(strategy.extended, "worker_devices", ()) or ()) or 1
+    if strategy.num_replicas_in_sync == 1:
+        return 1  # (the default strategy has no `worker_devices`)
+    devices = len(strategy.extended.worker_devices) or 1
     return max(1, strategy.num_replicas_in_sync // devices)
 
 
