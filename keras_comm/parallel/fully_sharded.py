@@ -72,6 +72,7 @@ from keras_comm._private import keras_api
 from keras_comm.ops import _differentiable as D
 from keras_comm.parallel import _checkpoint
 from keras_comm.parallel import _common
+from keras_comm.parallel import _initial
 from keras_comm.parallel import flat_shard
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.parallel import sharded
@@ -169,8 +170,9 @@ class FullyShard(_common.ParallelLayer):
         accumulation_steps: with "local", the number of micro-batches per
             update (equal to `ParallelOptimizer`'s).
         seed: int offset of the seeds given to unseeded initializers (the
-            full weights are computed alike on every worker from a seed
-            derived from each weight's path).
+            seed of a full weight is derived from its path plus this). With
+            more than one worker, worker 0 computes each full weight and
+            broadcasts it, so every worker slices the same values.
         timeout: seconds; None for `keras_comm.get_timeout()`.
         checkpoint_name: None (the file entry is Keras's name for this
             wrapper, "fully_shard", "fully_shard_1", ...) or the entry
@@ -373,24 +375,31 @@ class FullyShard(_common.ParallelLayer):
                     f"Received: regularizer={w.regularizer!r}, constraint={w.constraint!r}"
                 )
 
-    def _initial_values(self, inner):
-        if self._hidden.initial is not None:
-            return list(self._hidden.initial)
-        return [self._initial_value(w) for w in inner.weights]
+    def _initial_value(self, inner, w, strategy):
+        """`w`'s full initial value (numpy): worker 0's, on every worker.
 
-    def _initial_value(self, w):
-        init = keras_api.deferred_initializer(w)
-        if isinstance(init, keras.initializers.Initializer):
-            config = init.get_config()
-            if "seed" in config and config["seed"] is None:
-                # Every worker computes the same full value and keeps its slice.
-                config["seed"] = (zlib.crc32(w.path.encode()) + (self.seed or 0)) % (2**31)
-                init = init.__class__.from_config(config)
-        return np.asarray(keras.ops.convert_to_numpy(init(tuple(w.shape), dtype=w.dtype)))
+        One weight at a time, so a worker holds at most one full weight
+        beside its shards. With several workers worker 0 computes it and
+        broadcasts it: the seed below comes from `w.path`, whose automatic
+        layer names count the layers each process made before, and a layer
+        wrapped after its build holds each worker's own draw.
+        """
+
+        def compute():
+            if self._hidden.initial is not None:
+                return self._hidden.initial[[id(v) for v in inner.weights].index(id(w))]
+            init = keras_api.deferred_initializer(w)
+            if isinstance(init, keras.initializers.Initializer):
+                config = init.get_config()
+                if "seed" in config and config["seed"] is None:
+                    config["seed"] = (zlib.crc32(w.path.encode()) + (self.seed or 0)) % (2**31)
+                    init = init.__class__.from_config(config)
+            return np.asarray(keras.ops.convert_to_numpy(init(tuple(w.shape), dtype=w.dtype)))
+
+        return _initial.chief_value(strategy, tuple(w.shape), w.dtype, compute)
 
     def _create_state(self, inner):
         n = self.group_size()
-        values = dict(zip((id(w) for w in inner.weights), self._initial_values(inner)))
         trainable_ids = {id(w): i for i, w in enumerate(inner.trainable_weights)}
         non_trainable_ids = {id(w): i for i, w in enumerate(inner.non_trainable_weights)}
         self._order = [
@@ -411,7 +420,7 @@ class FullyShard(_common.ParallelLayer):
             reduction.set_gradient_hook(
                 tf_var, lambda g, spec=spec: _reduce_over_other_axes(spec, g, self.name)
             )
-            sharded.assign_full(shard, values[id(w)])
+            sharded.assign_full(shard, self._initial_value(inner, w, sharded._strategy_of([shard])))
             self._shards.append(shard)
             self._specs.append(spec)
         for w in inner.non_trainable_weights:
@@ -423,7 +432,7 @@ class FullyShard(_common.ParallelLayer):
                 trainable=False,
                 aggregation=w.aggregation,
             )
-            sharded.assign_full(v, values[id(w)])
+            sharded.assign_full(v, self._initial_value(inner, w, sharded._strategy_of([v])))
             self._non_trainable.append(v)
         if self.accumulation is Accumulation.LOCAL and self.accumulation_steps > 1:
             self._create_accumulators()

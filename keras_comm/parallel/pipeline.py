@@ -20,6 +20,7 @@ from keras_comm._private import tf_api
 from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import point_to_point as p2p
 from keras_comm.parallel import _common
+from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.parallel import schedules
 from keras_comm.parallel import sharded
@@ -637,30 +638,54 @@ class Pipeline(_common.ParallelLayer):
             )
         return spec
 
-    def _initial_stage_values(self, s):
-        """Stage s's initial weights (numpy), the same on every worker."""
-        values = []
-        for k, v in enumerate(self._holder.items[s].trainable_variables):
-            d = self._weight_shards[s][k]
-            if d is not None:  # tensor-parallel: the full weight, sliced per replica
-                values.append(d.full_value(v.dtype))
-                continue
-            if keras_api.tf_variable(v) is not None:  # a stage built before
-                values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
-                continue
-            # Not `v.path`: it holds the stage layers' automatic names
-            # ("dense_7"), numbered by how many layers this process made
-            # before, so a worker that built another model first (a chief's
-            # evaluation model) gave its replica of a stage other initial
-            # values than the stage's other replicas had, and the data group
-            # trained on silently mixed weights.
-            seed = (
-                self.seed + 1000 * s + k
-                if self.seed is not None
-                else zlib.crc32(f"{self.name}/{s}/{k}/{v.name}".encode()) % (2**31)
-            )
-            init = _seeded_initializer(keras_api.deferred_initializer(v), seed)
-            values.append(np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype))))
+    def _initial_stage_value(self, s, k, v):
+        d = self._weight_shards[s][k]
+        if d is not None:  # tensor-parallel: the full weight, sliced per replica
+            return d.full_value(v.dtype)
+        if keras_api.tf_variable(v) is not None:  # a stage built before
+            return np.asarray(keras.ops.convert_to_numpy(v.value))
+        # Not `v.path`: it holds the stage layers' automatic names
+        # ("dense_7"), numbered by how many layers this process made
+        # before. (With several workers only worker 0's values count:
+        # `_chief_values`.)
+        seed = (
+            self.seed + 1000 * s + k
+            if self.seed is not None
+            else zlib.crc32(f"{self.name}/{s}/{k}/{v.name}".encode()) % (2**31)
+        )
+        init = _seeded_initializer(keras_api.deferred_initializer(v), seed)
+        return np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype)))
+
+    def _chief_values(self, strategy, needed, state=False):
+        """``{stage: [arrays]}`` for the `needed` stages: worker 0's values.
+
+        A worker that built other models first names this pipeline (and
+        its stages' layers, hence the tensor-parallel weights' seeds)
+        otherwise than the other workers do, so with several workers
+        worker 0 computes every stage's weights, one at a time, and
+        broadcasts each (as MWMS broadcasts a mirrored variable's initial
+        value); each worker keeps its own stages'. Worker 0 thus computes
+        every stage's values once, but holds at most one full weight of a
+        stage it does not run.
+        """
+        items = (
+            (lambda s: self._holder.items[s].non_trainable_variables)
+            if state
+            else (lambda s: self._holder.items[s].trainable_variables)
+        )
+        one = self._initial_state_value if state else self._initial_stage_value
+        if not _initial.needs_broadcast(strategy):
+            return {s: [one(s, k, v) for k, v in enumerate(items(s))] for s in needed}
+        values = {s: [] for s in needed}
+        for s in range(self.num_stages):
+            for k, v in enumerate(items(s)):
+                d = None if state else self._weight_shards[s][k]
+                shape = d.spec.full_shape if d is not None else tuple(v.shape)
+                value = _initial.chief_value(
+                    strategy, shape, v.dtype, lambda s=s, k=k, v=v: one(s, k, v)
+                )
+                if s in values:
+                    values[s].append(value)
         return values
 
     def _held_stages(self, rank):
@@ -672,22 +697,18 @@ class Pipeline(_common.ParallelLayer):
 
     def _assign_initial_values(self):
         comps = sharded._components(self._buffer)
-        ranks = sharded._local_ranks(len(comps), sharded._strategy_of([self._buffer]))
+        strategy = sharded._strategy_of([self._buffer])
+        ranks = sharded._local_ranks(len(comps), strategy)
         needed = sorted({s for r in ranks for s in self._held_stages(r)})
-        values = {s: self._initial_stage_values(s) for s in needed}
-        self._assign_components(values)
+        self._assign_components(self._chief_values(strategy, needed))
         if self._state_buffer is not None:
-            self._assign_components({s: self._initial_state_values(s) for s in needed}, state=True)
+            self._assign_components(self._chief_values(strategy, needed, state=True), state=True)
 
-    def _initial_state_values(self, s):
-        values = []
-        for v in self._holder.items[s].non_trainable_variables:
-            if keras_api.tf_variable(v) is not None:  # a stage built before
-                values.append(np.asarray(keras.ops.convert_to_numpy(v.value)))
-            else:
-                init = keras.initializers.get(keras_api.deferred_initializer(v))
-                values.append(np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype))))
-        return values
+    def _initial_state_value(self, s, k, v):
+        if keras_api.tf_variable(v) is not None:  # a stage built before
+            return np.asarray(keras.ops.convert_to_numpy(v.value))
+        init = keras.initializers.get(keras_api.deferred_initializer(v))
+        return np.asarray(keras.ops.convert_to_numpy(init(v.shape, dtype=v.dtype)))
 
     def _assign_components(self, values, state=False):
         buffer = self._kind(state)[2]

@@ -12,10 +12,11 @@ handle it as usual) and changes three things:
   variable is created, component by component (MWMS broadcasts worker 0's
   initial value at creation, even to ON_READ variables, so the shards
   cannot be the initial value itself). The
-  full weight is ``initializer(full_shape, seed)``; every replica computes it
-  from the seed alone and keeps its slice, so the gathered weight equals an
-  unsplit layer's weight with the same seeded initializer. (The full value
-  exists transiently on the host at build; the variable holds 1/N.)
+  full weight is ``initializer(full_shape, seed)``, computed by worker 0 and
+  broadcast to the other workers (as MWMS broadcasts a mirrored variable's
+  initial value), and every replica keeps its slice; so the gathered weight
+  equals an unsplit layer's weight with the same seeded initializer. (The
+  full value exists transiently on the host at build; the variable holds 1/N.)
 * **Gradient.** The variable carries its own gradient reduction
   (`keras_comm.training.reduction`), which the optimizer calls instead of
   its world all-reduce: a SUM over the weight's *data-parallel
@@ -54,6 +55,7 @@ from keras_comm import topology
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 from keras_comm.parallel import _common
+from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.training import reduction
 
@@ -243,8 +245,10 @@ def add_sharded_weight(
         mesh_axis: the mesh axis name.
         initializer: a Keras initializer (identifier, config or instance).
         seed: int; the full weight is ``initializer(full_shape)`` with this
-            seed, identical on every worker. None derives one from the
-            weight's path (deterministic across workers).
+            seed. None derives one from the weight's path. Either way, with
+            more than one worker, worker 0 computes the full weight and
+            broadcasts it (`keras_comm.parallel._initial`), so every worker
+            slices the same value whatever its layer names.
         dtype: variable dtype (default: the layer's variable dtype).
         trainable: whether the optimizer trains it.
 
@@ -286,8 +290,15 @@ def add_sharded_weight(
     reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:
         seed = zlib.crc32(variable.path.encode()) % (2**31)
-    full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
-    assign_full(variable, np.asarray(keras.ops.convert_to_numpy(full)))
+
+    def compute():
+        full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
+        return np.asarray(keras.ops.convert_to_numpy(full))
+
+    # Worker 0's full value on every worker: the path (hence the seed) can
+    # differ between workers that made other layers before.
+    strategy = _strategy_of([variable])
+    assign_full(variable, _initial.chief_value(strategy, full_shape, variable.dtype, compute))
     return variable
 
 

@@ -97,6 +97,64 @@ def tp_fit(strategy, mesh=None, epochs=2, callbacks=None, optimizer=None):
     }
 
 
+# --- Unseeded weights agree across workers ---------------------------------
+
+
+def same_shard_values(strategy, mesh, epochs=1):
+    """Unseeded tensor-parallel and FullyShard weights on a data x model mesh,
+    the chief having made layers of the same classes first.
+
+    Automatic layer names count the layers a process made before, so the
+    chief's weight paths (and the seeds once derived from them) differ from
+    the other workers'. Returns this worker's shards of every per-replica
+    weight, after build and after `fit`, with its model coordinate: the
+    replicas with the same coordinate hold the same shard and must hold
+    the same values.
+    """
+    if _task(strategy) == 0:  # a chief's evaluation copy, say: never built
+        P.ParallelEmbedding(VOCAB, 4, mesh=mesh)
+        P.ColumnParallelDense(8, mesh=mesh)
+        P.RowParallelDense(4, mesh=mesh)
+        keras.layers.Dense(2)
+    x, y = tp_data()
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((SEQ,), dtype="int32"),
+                P.ParallelEmbedding(VOCAB, 4, mesh=mesh),
+                keras.layers.Flatten(),
+                P.ColumnParallelDense(8, activation="tanh", mesh=mesh),
+                P.RowParallelDense(4, mesh=mesh),
+                P.FullyShard(keras.layers.Dense(2), mesh=mesh, axis="model"),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    weights = [w for w in model.weights if P.is_sharded(w)]
+
+    def shards():
+        out = {}
+        for w in weights:
+            (rank, value), = P.process_shards(w).items()  # one replica per worker
+            out[w.path] = np.asarray(value).tolist()
+        return rank, out
+
+    rank, built = shards()
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    _, trained = shards()
+    coordinates = [int(c) for c in mesh.coordinates(rank)]
+    return {
+        "model_coordinate": coordinates[mesh.axes.index("model")],
+        "coordinates": coordinates,
+        "paths": [w.path for w in weights],
+        "built": list(built.values()),
+        "trained": list(trained.values()),
+    }
+
+
+def _task(strategy):
+    return getattr(strategy.extended, "_task_id", None) or 0
+
+
 # --- Mixture of experts vs a dense simulation ------------------------------
 
 D, UNITS, TOKENS, EXPERTS_PER_REPLICA = 3, 2, 6, 2
@@ -245,6 +303,7 @@ def main():
     if n == 4:
         mesh = P.Mesh(shape=(2, 2), axes=("data", "model"))
         result["tp"] = tp_fit(strategy, mesh)
+        result["same_shard"] = same_shard_values(strategy, mesh)
     else:
         result["tp"] = tp_fit(strategy)
     result["moe"] = moe_check(strategy)
