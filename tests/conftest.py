@@ -197,7 +197,9 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield
-    if _aborted_by == item.nodeid and os.environ.get("PYTEST_XDIST_WORKER"):
+    # `workerinput` marks a pytest-xdist worker process (not the environment
+    # variable, which a pytest session started by a test inherits).
+    if _aborted_by == item.nodeid and hasattr(item.config, "workerinput"):
         sys.stderr.write(
             f"\nconftest: {item.nodeid} aborted this process's collectives; "
             "this pytest-xdist worker exits so that a fresh one runs the rest.\n"
