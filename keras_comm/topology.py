@@ -193,6 +193,36 @@ def world_size():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+def worker_count(strategy=None):
+    """How many worker processes `strategy` spans (1 outside MultiWorkerMirroredStrategy)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync == 1:
+        return 1  # (the default strategy has no `worker_devices`)
+    devices = len(strategy.extended.worker_devices) or 1
+    return max(1, strategy.num_replicas_in_sync // devices)
+
+
+def is_multi_worker(strategy=None):
+    """Whether `strategy` spans more than one worker process."""
+    return worker_count(strategy) > 1
+
+
+def task_id(strategy=None):
+    """This process's worker index in `strategy`'s cluster (0 outside one)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    task = getattr(getattr(strategy, "cluster_resolver", None), "task_id", None)
+    return 0 if task is None else int(task)
+
+
+def is_chief(strategy=None):
+    """Whether this process is the chief: it holds replica 0 and writes checkpoints.
+
+    True outside MultiWorkerMirroredStrategy and on its worker 0.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    return bool(getattr(strategy.extended, "should_checkpoint", True))
+
+
 _warned_no_strategy = False
 
 

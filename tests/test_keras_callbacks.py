@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import keras_comm
+from keras_comm import topology
 from keras_comm.callbacks import _keras_callbacks
 
 from _cluster import run_cluster
@@ -40,9 +41,9 @@ def role(monkeypatch):
     """Makes this process one worker of a two-worker job: ``role(chief=...)``."""
 
     def set_role(chief):
-        monkeypatch.setattr(_keras_callbacks, "is_multi_worker", lambda strategy: True)
-        monkeypatch.setattr(_keras_callbacks, "_is_chief", lambda strategy: chief)
-        monkeypatch.setattr(_keras_callbacks, "_task_id", lambda strategy: 0 if chief else 1)
+        monkeypatch.setattr(topology, "is_multi_worker", lambda strategy=None: True)
+        monkeypatch.setattr(topology, "is_chief", lambda strategy=None: chief)
+        monkeypatch.setattr(topology, "task_id", lambda strategy=None: 0 if chief else 1)
 
     return set_role
 

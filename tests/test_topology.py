@@ -56,6 +56,18 @@ def test_rank_outside_strategy():
 
 
 @pytest.mark.inprocess
+def test_one_process_is_one_chief_worker(strategy):
+    """In-process replicas are one worker: no broadcast of initial values, no
+    redirected callback paths. (Several workers: the 4-worker launch of
+    test_parallel_multiprocess, whose chief alone computes the initial values.)"""
+    for s in (strategy, tf.distribute.get_strategy()):
+        assert topology.worker_count(s) == 1
+        assert not topology.is_multi_worker(s)
+        assert topology.task_id(s) == 0
+        assert topology.is_chief(s)
+
+
+@pytest.mark.inprocess
 def test_rank_in_replicas(strategy, mode):
     got = run_replicas(strategy, lambda: tf.constant(keras_comm.rank()), mode=mode)
     assert [int(g) for g in got] == list(range(strategy.num_replicas_in_sync))

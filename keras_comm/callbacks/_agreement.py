@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_comm import config
+from keras_comm import topology
 
 #: `broadcast_choice`'s answer when the chief found backups but none usable.
 UNUSABLE = "unusable"
@@ -97,6 +98,6 @@ def gather_failures(strategy, failure):
 def _local_replicas(strategy, num_replicas):
     if num_replicas == 1:
         return [0]
-    task = getattr(strategy.extended, "_task_id", None) or 0
+    task = topology.task_id(strategy)
     per_worker = len(strategy.extended.worker_devices)
     return range(task * per_worker, (task + 1) * per_worker)

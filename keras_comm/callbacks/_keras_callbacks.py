@@ -43,8 +43,8 @@ import threading
 import weakref
 
 import keras
-import tensorflow as tf
 
+from keras_comm import topology
 from keras_comm._private import keras_api
 
 # Callback class -> the attribute holding the path it writes.
@@ -60,23 +60,6 @@ _ORIGINAL_PATHS = weakref.WeakKeyDictionary()
 # Temporary directories not removed yet: removed at exit if `fit` raised.
 _LIVE_DIRS = set()
 _lock = threading.Lock()
-
-
-def is_multi_worker(strategy):
-    """Whether `strategy` is MultiWorkerMirroredStrategy over more than one worker."""
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return False
-    return len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
-
-
-def _is_chief(strategy):
-    return bool(getattr(strategy.extended, "should_checkpoint", True))
-
-
-def _task_id(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    task = getattr(resolver, "task_id", None)
-    return 0 if task is None else int(task)
 
 
 def _replacement_backup(callback):
@@ -131,7 +114,7 @@ def adapt(callbacks, model):
     if model is None or not callbacks:
         return callbacks
     strategy = model.distribute_strategy
-    if not is_multi_worker(strategy):
+    if not topology.is_multi_worker(strategy):
         return callbacks
     # Every replacement (or refusal) before any redirect: a refusal leaves
     # no temporary directory behind.
@@ -140,11 +123,11 @@ def adapt(callbacks, model):
         for c in keras.tree.flatten(callbacks)
     ]
     redirected = []
-    if not _is_chief(strategy):
+    if not topology.is_chief(strategy):
         for callback in out:
             attribute = _path_attribute(callback)
             if attribute is not None:
-                redirected.append(_redirect(callback, attribute, _task_id(strategy)))
+                redirected.append(_redirect(callback, attribute, topology.task_id(strategy)))
     if redirected:
         per_batch = any(
             r.emptied_after_save and r.callback.save_freq != "epoch" for r in redirected

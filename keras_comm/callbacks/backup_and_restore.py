@@ -10,6 +10,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_comm import topology
 from keras_comm._private import keras_api
 from keras_comm.callbacks import _agreement
 from keras_comm.callbacks import _durable
@@ -160,8 +161,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     # --- restore ----------------------------------------------------------
 
     def _is_chief(self):
-        strategy = self.model.distribute_strategy
-        return bool(getattr(strategy.extended, "should_checkpoint", True))
+        return topology.is_chief(self.model.distribute_strategy)
 
     def _path(self, name):
         return os.path.join(self.backup_dir, name)

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from keras_comm import errors
 from keras_comm import ops
+from keras_comm import topology
 from keras_comm import watchdog
 
 # The dtypes `keras_comm.ops.broadcast` sends as they are; integer and bool
@@ -43,24 +44,6 @@ _SITE = watchdog.Site("the broadcast of worker 0's initial weights")
 # strategy -> its compiled broadcast (one trace per dtype: the values are
 # sent flat and the function relaxes the length after the second shape).
 _functions = weakref.WeakKeyDictionary()
-
-
-def worker_count(strategy):
-    """How many worker processes `strategy` spans (1 outside MWMS)."""
-    if strategy.num_replicas_in_sync == 1:
-        return 1  # (the default strategy has no `worker_devices`)
-    devices = len(strategy.extended.worker_devices) or 1
-    return max(1, strategy.num_replicas_in_sync // devices)
-
-
-def is_chief(strategy):
-    """Whether this process is worker 0 of `strategy` (True outside MWMS)."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    return resolver is None or not resolver.task_id
-
-
-def needs_broadcast(strategy):
-    return worker_count(strategy) > 1
 
 
 def chief_value(strategy, shape, dtype, compute):
@@ -83,11 +66,11 @@ def chief_value(strategy, shape, dtype, compute):
         TypeError: if the value's dtype cannot be sent (neither floating nor
             integer nor bool).
     """
-    if not needs_broadcast(strategy):
+    if not topology.is_multi_worker(strategy):
         return np.asarray(compute())
     dtype = tf.as_dtype(dtype)
     shape = tuple(int(d) for d in shape)
-    if is_chief(strategy):
+    if topology.is_chief(strategy):
         value = np.asarray(compute())
         if value.shape != shape:  # a bug of the caller: the receivers expect `shape`
             raise ValueError(

@@ -674,7 +674,7 @@ class Pipeline(_common.ParallelLayer):
             else (lambda s: self._holder.items[s].trainable_variables)
         )
         one = self._initial_state_value if state else self._initial_stage_value
-        if not _initial.needs_broadcast(strategy):
+        if not topology.is_multi_worker(strategy):
             return {s: [one(s, k, v) for k, v in enumerate(items(s))] for s in needed}
         values = {s: [] for s in needed}
         for s in range(self.num_stages):

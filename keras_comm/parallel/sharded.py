@@ -209,7 +209,7 @@ def _local_ranks(num_components, strategy=None):
     strategy = strategy or tf.distribute.get_strategy()
     if strategy.num_replicas_in_sync == 1:
         return [0]
-    task = getattr(strategy.extended, "_task_id", None) or 0
+    task = topology.task_id(strategy)
     return [task * num_components + i for i in range(num_components)]
 
 
