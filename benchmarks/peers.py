@@ -9,11 +9,17 @@ MultiWorkerMirroredStrategy in its own worker processes (started by
 import keras_comm or Keras 3). Jobs alternate framework by framework, round
 by round, so both see the same background load.
 
-Each job runs one `fit` of `epochs` epochs and records every epoch's wall
-time on every rank (`on_epoch_begin`/`on_epoch_end`). The first epoch traces
-and is reported apart; samples/s is computed from the median of the others
-(the slowest rank's time per epoch: a synchronous step ends with it), so a
-stall in any later epoch shows as a slow epoch in ``epoch_s``.
+Each job runs one `fit` of `epochs` epochs and records, on every rank, each
+epoch's wall time end to end (``wall_epoch_s``: from one `on_epoch_end` to
+the next, the first from `on_train_begin`), so the work either framework does
+between epochs counts for both: tf-keras creates each epoch's iterator before
+`on_epoch_begin`, Keras 3 inside its first step. The first epoch traces and
+is reported apart; samples/s is computed from the median of the others (the
+slowest rank's time per epoch: a synchronous step ends with it), so a stall
+in any later epoch shows as a slow epoch. The time inside each epoch alone
+(``epoch_s``, `on_epoch_begin` to `on_epoch_end`, which leaves tf-keras's
+iterator creation out and keeps Keras 3's in) is reported beside it, as
+``in_epoch_samples_per_s``, and so is the whole `fit` call (``fit_s``).
 
 Worker: ``python -m benchmarks.peers --framework keras_comm|tf_keras --out F``
 (under the launcher). Driver: `run_jobs` + `summarize` (benchmarks.run's
@@ -74,6 +80,8 @@ def measure(framework, epochs, samples, global_batch):
     class EpochTimer(k.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.epochs = []
+            self.wall = []
+            self._mark = time.perf_counter()
 
             self.first_step = []
             self.max_step = []
@@ -88,7 +96,10 @@ def measure(framework, epochs, samples, global_batch):
             self._last = now
 
         def on_epoch_end(self, epoch, logs=None):
-            self.epochs.append(time.perf_counter() - self._begin)
+            now = time.perf_counter()
+            self.epochs.append(now - self._begin)
+            self.wall.append(now - self._mark)
+            self._mark = now
             # The first step of an epoch is where the iterator handover stalled.
             self.first_step.append(self._steps[0] if self._steps else None)
             self.max_step.append(max(self._steps) if self._steps else None)
@@ -97,7 +108,9 @@ def measure(framework, epochs, samples, global_batch):
             self.train_end = time.perf_counter()
 
     timer = EpochTimer()
+    start = time.perf_counter()
     model.fit(ds, epochs=epochs, verbose=0, callbacks=[timer])
+    fit_s = time.perf_counter() - start
     # From the last callback to fit's return: where the last epoch's iterator
     # is destroyed (stock: as fit's frame goes; keras_comm: its release
     # threads joined), so what ending fit costs.
@@ -107,6 +120,8 @@ def measure(framework, epochs, samples, global_batch):
         "rank": strategy.cluster_resolver.task_id or 0,
         "workers": strategy.num_replicas_in_sync,
         "epoch_s": timer.epochs,
+        "wall_epoch_s": timer.wall,
+        "fit_s": fit_s,
         "first_step_s": timer.first_step,
         "max_step_s": timer.max_step,
         "fit_end_s": fit_end_s,
@@ -146,8 +161,9 @@ def run_jobs(launch, workers, rounds, epochs, raw_dir, env, log_stream, say=prin
                 out[str(n)][framework].append(job)
                 if job["ranks"]:
                     s = _job_summary(job["ranks"])
-                    say(f"[peers n={n}] {framework} round {r}: {s['samples_per_s']:.0f} samples/s, "
-                        f"epochs {', '.join(f'{t:.2f}' for t in s['epoch_s'])} s, later epochs' "
+                    say(f"[peers n={n}] {framework} round {r}: {s['samples_per_s']:.0f} samples/s "
+                        f"({s['in_epoch_samples_per_s']:.0f} inside epochs), fit {s['fit_s']:.2f} s, "
+                        f"epochs end to end {', '.join(f'{t:.2f}' for t in s['wall_epoch_s'])} s, later epochs' "
                         f"first steps {', '.join(f'{t:.3f}' for t in s['first_step_s'] or [])} s"
                         + (f", fit end {s['fit_end_s']:.3f} s" if s["fit_end_s"] is not None else ""))
                 else:
@@ -155,16 +171,30 @@ def run_jobs(launch, workers, rounds, epochs, raw_dir, env, log_stream, say=prin
     return out
 
 
+def _slowest(ranks, key):
+    length = min(len(r[key]) for r in ranks)
+    return [max(r[key][i] for r in ranks) for i in range(length)]
+
+
 def _job_summary(ranks):
-    """The slowest rank's epoch times; samples/s from the median after the first."""
-    length = min(len(r["epoch_s"]) for r in ranks)
-    epochs = [max(r["epoch_s"][i] for r in ranks) for i in range(length)]
-    later = epochs[1:] or epochs
+    """The slowest rank's epoch times; samples/s from the median after the first.
+
+    samples/s counts each later epoch end to end (``wall_epoch_s``); jobs
+    recorded before that was measured fall back to the in-epoch time.
+    """
+    epochs = _slowest(ranks, "epoch_s")
+    length = len(epochs)
+    wall = _slowest(ranks, "wall_epoch_s") if all("wall_epoch_s" in r for r in ranks) else epochs
+    later = wall[1:] or wall
     med = statistics.median(later)
+    in_epoch = statistics.median(epochs[1:] or epochs)
     return {
         "epoch_s": epochs,
+        "wall_epoch_s": wall,
         "median_epoch_s": med,
         "samples_per_s": ranks[0]["samples"] / med,
+        "in_epoch_samples_per_s": ranks[0]["samples"] / in_epoch,
+        "fit_s": max(r["fit_s"] for r in ranks) if all("fit_s" in r for r in ranks) else None,
         # How far the slowest later epoch is above the median: a stall shows here.
         "worst_epoch_excess_s": max(later) - med,
         # Each later epoch's first step, slowest rank (where the stall was).
@@ -187,9 +217,14 @@ def summarize(jobs):
                 row[framework] = {"error": "no job finished (see run.log)"}
                 continue
             sps = [s["samples_per_s"] for s in summaries]
+            inside = [s["in_epoch_samples_per_s"] for s in summaries]
+            fits = [s["fit_s"] for s in summaries if s["fit_s"] is not None]
             row[framework] = {
                 "samples_per_s": statistics.median(sps),
                 "samples_per_s_runs": sps,
+                "in_epoch_samples_per_s": statistics.median(inside),
+                "in_epoch_samples_per_s_runs": inside,
+                "fit_s": statistics.median(fits) if fits else None,
                 "first_epoch_s": statistics.median(s["epoch_s"][0] for s in summaries),
                 "worst_epoch_excess_s": max(s["worst_epoch_excess_s"] for s in summaries),
                 "later_first_step_s_median": statistics.median(
@@ -204,6 +239,9 @@ def summarize(jobs):
             row["ratio"] = kc["samples_per_s"] / tk["samples_per_s"]
             # The same ratio round by round (each pair ran back to back).
             row["ratio_runs"] = [a / b for a, b in zip(kc["samples_per_s_runs"], tk["samples_per_s_runs"])]
+            row["in_epoch_ratio_runs"] = [a / b for a, b in zip(kc["in_epoch_samples_per_s_runs"],
+                                                                tk["in_epoch_samples_per_s_runs"])]
+            row["in_epoch_ratio"] = kc["in_epoch_samples_per_s"] / tk["in_epoch_samples_per_s"]
         rows.append(row)
     return rows
 
