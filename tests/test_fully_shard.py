@@ -185,7 +185,11 @@ def test_float16_loss_scaling_unscales_once_and_skips_on_every_replica():
         assert scales(model) == scales(plain) and len(set(scales(model))) == 1
         weights = P.full_weights(model)
         assert all(np.isfinite(w).all() for w in weights)
-        assert cases.rel(plain.get_weights(), weights) <= 1e-4  # summation order only
+        # Summation order only, in float16 compute (unit roundoff 4.9e-4): the
+        # order follows the CPU's matmul blocking, so it differs by machine
+        # (1.95e-4 on the bias on an AMD EPYC machine, exactly 0 on earlier ones).
+        # The skips themselves are checked exactly above.
+        assert cases.rel(plain.get_weights(), weights) <= 1e-3
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
