@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_comm import _validation
+from keras_comm import topology
 from keras_comm.training import accumulate
 from keras_comm.training import reduction
 from keras_comm.training import sharded_state
@@ -320,7 +321,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         # may load the optimizer's slots after this callback's train begin.
         self._needs_reshard = True
         _ACTIVE[model] = self
-        if getattr(strategy.extended, "should_checkpoint", True):
+        if topology.is_chief(strategy):
             parts = self.state_bytes(breakdown=True)
             full = self.unsharded_state_bytes()
             logger.info(

@@ -152,7 +152,7 @@ def same_shard_values(strategy, mesh, epochs=1):
 
 
 def _task(strategy):
-    return getattr(strategy.extended, "_task_id", None) or 0
+    return keras_comm.topology.task_id(strategy)
 
 
 # --- Mixture of experts vs a dense simulation ------------------------------
@@ -256,7 +256,7 @@ def weights_for(rank, shape):
 
 
 def _local_ranks(strategy, count):
-    task = getattr(strategy.extended, "_task_id", None) or 0
+    task = _task(strategy)
     return [task * count + i for i in range(count)]
 
 
