@@ -4,7 +4,7 @@ A step built by keras_comm (ParallelOptimizer's micro and apply steps,
 `keras_comm.training`'s train function) is a Python function that closes
 over, wraps, or is a bound method of an object holding the compiled
 `tf.function`. Shared by benchmarks/training.py, benchmarks/collective_bytes.py
-and tests/test_parallel_optimizer.py, which count collectives in those graphs.
+and tests/callbacks/test_parallel_optimizer.py, which count collectives in those graphs.
 Imports TensorFlow only when called.
 """
 

@@ -6,7 +6,7 @@ Test side:
 from _cluster import run_cluster
 
 def test_all_reduce():
-    result = run_cluster("workers/all_reduce.py", 2, "--size", "8").check()
+    result = run_cluster("ops/all_reduce_worker.py", 2, "--size", "8").check()
     assert [r["sum"] for r in result.results] == [2.0, 2.0]
 ```
 

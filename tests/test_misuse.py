@@ -1,8 +1,8 @@
 """Silent misuse made loud (issue 15 item 6): collectives outside any
 strategy inside a multi-worker job.
 
-The unsupported-Keras warning on import is in tests/test_compat.py and the
-indivisible AlltoAll at build time in tests/test_all_to_all.py.
+The unsupported-Keras warning on import is in tests/compat/test_compat.py and the
+indivisible AlltoAll at build time in tests/ops/test_all_to_all.py.
 """
 
 import json
@@ -66,7 +66,7 @@ def test_no_warning_alone_or_under_a_strategy(monkeypatch):
 def test_two_real_workers_without_a_strategy_are_warned():
     # Before the fix each worker trained alone with AllReduce as the identity
     # and no message at all.
-    result = run_cluster("workers/no_strategy_worker.py", 2, timeout=240).check()
+    result = run_cluster("no_strategy_worker.py", 2, timeout=240).check()
     for rank, r in enumerate(result.results):
         assert len(r["warnings"]) == 1, (rank, r["warnings"])
         assert "one of 2 workers" in r["warnings"][0]
