@@ -169,6 +169,12 @@ def _stop_launcher(proc):
     return output or ""
 
 
+# Called (without arguments) before every launch when set: tests/conftest.py
+# sets it to fail a test that launches workers without the `multiprocess`
+# marker, so that `pytest -m "not multiprocess"` never starts a cluster.
+before_launch = None
+
+
 def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None, launcher_args=()):
     """Runs `script` on `num_workers` local worker processes.
 
@@ -186,6 +192,8 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None,
     Returns:
         A ClusterResult. Call `.check()` to assert success.
     """
+    if before_launch is not None:
+        before_launch()
     keep = out_dir is not None
     if keep:
         out_dir = Path(out_dir)

@@ -9,6 +9,8 @@ Multi-process tests live beside them and use `tests/_cluster.py`.
 import os
 import sys
 
+import _cluster
+import _durations
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -30,8 +32,8 @@ def _split_cpu():
 
 
 _split_cpu()
-# The epoch-change stall of issue 18 costs the suite more wall time than its
-# training does; see the helper's docstring.
+# The epoch-change stall of tf.data autotuning costs the suite more wall time
+# than its training does; see the helper's docstring.
 without_tf_data_autotune()
 
 _strategies = {}
@@ -79,6 +81,17 @@ def run_replicas(strategy, fn, *args, mode="function"):
     return [tf.nest.map_structure(lambda t: np.asarray(t), r) for r in per_replica]
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from one random state (Python, NumPy, TensorFlow and
+    Keras initializers), whatever ran before it on its pytest-xdist worker:
+    a test that draws or initialises without a seed of its own still gets
+    the same numbers alone, in the suite, or in another order."""
+    import keras  # here, not at the top: the CPU is split before Keras loads
+
+    keras.utils.set_random_seed(0)
+
+
 @pytest.fixture(params=[2, 4], ids=lambda n: f"{n}replicas")
 def strategy(request):
     """A 2- or 4-replica in-process MultiWorkerMirroredStrategy."""
@@ -90,7 +103,7 @@ def mode(request):
     return request.param
 
 
-# --- scheduling: longest tests first ----------------------------------------
+# --- scheduling: longest tests first; the `slow` marker --------------------
 #
 # With `-n 2` the suite ends when the later of the two pytest-xdist workers
 # does; a two-minute test picked up last keeps one core idle for two minutes.
@@ -102,54 +115,71 @@ def mode(request):
 # `--maxschedchunk` is set here rather than in pyproject's addopts so that
 # pytest still starts without pytest-xdist (`-p no:xdist`).
 #
-# Seconds: a quiet CI-like run of `pytest -n 2` (wall, 2026-12-02: the
-# lead's last quiet run), scaled where a later commit cut a test's work.
-# Only the order depends on them; a stale figure costs balance, never a check.
-_KNOWN_SECONDS = {
-    # One launch of 4 workers (364 s; evaluate/predict now in 4 of its 6
-    # configurations: CPU 288 -> 278 s under load, so still the longest).
-    "test_pipeline_multiprocess.py::test_pipeline_on_workers[4]": 350,
-    # Three launches of 2 workers (SIGKILL, sharded state, agreement).
-    "test_checkpoint_multiprocess.py::test_checkpoints_across_workers": 220,
-    # 3 grid fits on 2 and 4 in-process replicas (~120 CPU-s).
-    "test_fully_shard.py::test_exactness_grid_matches_unwrapped": 212,
-    "test_fully_shard_multiprocess.py::test_fully_sharded_fits_and_resumes": 125,
-    # collectives + mirror + non-trainable state, one launch of 3 workers.
-    "test_collectives_multiprocess.py::": 115,
-    # One launch, three attempts (--max-restarts 2), each a SIGTERM and a save.
-    "test_reliability.py::test_preemption_backup_on_real_workers": 91,
-    "test_benchmarks.py::test_smoke_run": 84,
-    # Two launches of 2 workers (Adam, SGD), the 2-worker ParallelOptimizer
-    # configurations riding in them (65 s before they did).
-    "test_parallel_optimizer_multiprocess.py::test_state_bytes": 80,
-    "test_compat.py::test_tutorial_flow_across_workers": 63,
-    # Next to the tutorial flow: both use test_compat's module fixture.
-    "test_compat.py::test_fit_evaluate_predict_exact_with_local_replicas": 63,
-    "test_parallel_multiprocess.py::test_parallel_family_across_processes[4]": 61,
-}
-# A test that launches worker processes, not named above: after those, before
-# the in-process ones (most take seconds).
+# The expected seconds are tests/_durations.py's (a quiet run of the whole
+# suite); a test expected to take `SLOW_SECONDS` or more is also marked
+# `slow`, so that the inner loop (`-m "not slow and not multiprocess"`,
+# docs/contributing.md) leaves it out.
+
+# A test that launches worker processes, not named in _durations: after
+# those, before the in-process ones (most take seconds).
 _MULTIPROCESS_SECONDS = 30
 
 
 def _expected_seconds(item):
     path, _, rest = item.nodeid.partition("::")
     name = path.rpartition("/")[2] + "::" + rest
-    best = max((s for key, s in _KNOWN_SECONDS.items() if name.startswith(key)), default=0)
+    best = max((s for key, s in _durations.SECONDS.items() if name.startswith(key)), default=0)
     if not best and item.get_closest_marker("multiprocess") is not None:
         best = _MULTIPROCESS_SECONDS
     return best
 
 
+# tryfirst: the markers added here must exist before pytest's own hook
+# deselects by `-m`.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    seconds = {item.nodeid: _expected_seconds(item) for item in items}
+    for item in items:
+        if seconds[item.nodeid] >= _durations.SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
     # Every xdist worker collects and sorts identically (the key depends only
     # on the node id and markers), as xdist requires.
-    items.sort(key=lambda item: -_expected_seconds(item))
+    items.sort(key=lambda item: -seconds[item.nodeid])
 
 
 def pytest_configure(config):
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
+
+
+# --- a test that starts a cluster says so -----------------------------------
+#
+# `_cluster.run_cluster` asks before each launch: a test without the
+# `multiprocess` marker fails, so `-m "not multiprocess"` (the inner loop)
+# never waits for worker processes. (Module fixtures are not checked: they
+# serve marked tests.)
+_running = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    global _running
+    _running = item
+    try:
+        yield
+    finally:
+        _running = None
+
+
+def _launch_needs_the_marker():
+    if _running is not None and _running.get_closest_marker("multiprocess") is None:
+        pytest.fail(
+            f"{_running.nodeid} starts worker processes (_cluster.run_cluster) but has no "
+            "@pytest.mark.multiprocess: mark it, so that the inner loop leaves it out."
+        )
+
+
+_cluster.before_launch = _launch_needs_the_marker
 
 
 # --- containment: one aborted collective must not fail every later test -----

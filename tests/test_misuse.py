@@ -63,6 +63,7 @@ def test_no_warning_alone_or_under_a_strategy(monkeypatch):
         assert _warnings_of(lambda: layers.AllReduce()(tf.ones([2]))) == []
 
 
+@pytest.mark.multiprocess
 def test_two_real_workers_without_a_strategy_are_warned():
     # Before the fix each worker trained alone with AllReduce as the identity
     # and no message at all.
