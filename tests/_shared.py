@@ -127,10 +127,10 @@ def without_tf_data_autotune():
     unchanged: autotuning only sizes buffers and thread pools).
 
     Why: with autotuning on, destroying an epoch's iterator blocks the host
-    for tens of seconds (issue 18: ~30 s at the first epoch change of a
+    for tens of seconds (~30 s at the first epoch change of a
     2-replica fit, 0.3 s of CPU) while the training itself takes seconds, and
     the suite runs hundreds of fits. Set KERAS_COMM_TEST_AUTOTUNE=1 to keep
-    autotuning (to reproduce issue 18 under the suite). Idempotent.
+    autotuning (to reproduce that stall under the suite). Idempotent.
     """
     import os
 

@@ -189,7 +189,7 @@ _cluster.before_launch = _launch_needs_the_marker
 # nothing short of discarding the eager context (and with it every variable
 # and strategy the process holds) resets it. An in-process test that fails
 # that way would take every later in-process test on the same pytest-xdist
-# worker with it: CI on 2026-12-02 turned one timeout into 158 failures.
+# worker with it (one timeout can fail a hundred tests).
 # So after such a test, an xdist worker process exits: xdist reports the
 # test once more ("worker crashed"), starts a fresh worker and hands it the
 # rest. Without xdist (`-n 0`) the later in-process tests fail at setup,
