@@ -17,8 +17,8 @@ read back as the loading replica's slice:
 So a file holds exactly what an unsplit model holds: the same model built
 without a strategy (one shard per weight) loads it, and a cluster of another
 size loads it as long as its group sizes divide the split dimensions. A
-file holding one shard (written per worker by keras_comm 0.1 before this
-format) is refused with an error rather than loaded into every replica.
+file holding one shard per weight is refused with an error rather than
+loaded into every replica.
 
 `ParallelLayer` calls `save_layer` / `load_layer`; `apply` installs the
 optimizer side on Keras's TensorFlow optimizer (called by
@@ -27,7 +27,7 @@ optimizer side on Keras's TensorFlow optimizer (called by
 An optimizer whose slots live elsewhere (`ParallelOptimizer` keeps them as
 1/N shards and releases the optimizer's own, see
 `keras_comm.training.sharded_state`) registers an external store with
-`register_external_slots`: a save writes each variable it owns as its
+`keras_comm.variables.annotations.register_external_slots`: a save writes each variable it owns as its
 ``value(variable)`` (full size, asked one variable at a time) and a load
 hands it ``assign(variable, full_value)``. The file is the same.
 """
@@ -38,26 +38,18 @@ import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
-from keras_comm.parallel import _common
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import sharded
+from keras_comm.variables import annotations
 
 # Per owner (layer or optimizer): (variables' ids, compiled gather function).
 _GATHERS = weakref.WeakKeyDictionary()
 _ORIGINALS_ATTR = "_keras_comm_checkpoint_originals"
-# Per optimizer: the external store of some of its variables (see above).
-_EXTERNAL = weakref.WeakKeyDictionary()
-
-
-def register_external_slots(optimizer, store):
-    """Saves and loads the variables `store.owns` through `store` (None: stop)."""
-    if store is None:
-        _EXTERNAL.pop(optimizer, None)
-    else:
-        _EXTERNAL[optimizer] = store
+register_external_slots = annotations.register_external_slots
 
 
 def _external_flags(optimizer):
-    store = _EXTERNAL.get(optimizer)
+    store = annotations.external_slots(optimizer)
     if store is None:
         return None, [False] * len(optimizer.variables)
     return store, [store.owns(v) for v in optimizer.variables]
@@ -85,7 +77,7 @@ def _gather(owner, pairs):
 
         def replica_fn():
             return [
-                _common.gather_along(
+                _collectives.gather_along(
                     tf.convert_to_tensor(sharded._tf_variable(v)),
                     s.shard_axis,
                     s.model_group(),
@@ -123,11 +115,10 @@ def _assign(variable, spec, value, owner_name):
         hint = ""
         if tuple(value.shape) == spec.shard_shape:
             hint = (
-                " The file holds one shard: it was written per worker by an "
-                "older keras_comm. Files now hold full-size weights: save them "
-                "again from the cluster that wrote them (every worker calling "
-                "save) or assign the shards with "
-                "`keras_comm.parallel.assign_process_shards`."
+                " The file holds one shard (written per worker). Files hold "
+                "full-size weights: save them again from the cluster that "
+                "wrote them (every worker calling save) or assign the shards "
+                "with `keras_comm.parallel.assign_process_shards`."
             )
         raise ValueError(
             f"{owner_name}: variable {variable.path!r} is split into "

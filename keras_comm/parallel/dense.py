@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from keras_comm import _validation
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
 
@@ -102,14 +103,14 @@ class ColumnParallelDense(_common.ParallelLayer):
 
     def call(self, inputs):
         group = self.group()
-        x = _common.gather_batch(inputs, group, self.name, self.timeout)
+        x = _collectives.gather_batch(inputs, group, self.name, self.timeout)
         y = keras.ops.matmul(x, self.kernel)
         if self.bias is not None:
             y = y + self.bias
         y = self.activation(y)
         if self.gather_output:
-            y = _common.gather_along(y, len(y.shape) - 1, group, self.name, self.timeout)
-            y = _common.own_rows(y, group)
+            y = _collectives.gather_along(y, len(y.shape) - 1, group, self.name, self.timeout)
+            y = _collectives.own_rows(y, group)
         return y
 
     def compute_output_shape(self, input_shape):
@@ -206,12 +207,12 @@ class RowParallelDense(_common.ParallelLayer):
         group = self.group()
         x = inputs
         if not self.input_is_parallel and group.size > 1:
-            x = _common.gather_batch(x, group, self.name, self.timeout)
+            x = _collectives.gather_batch(x, group, self.name, self.timeout)
             width = x.shape[-1] // group.size
-            k = group.index(_common.my_rank())
+            k = group.index(_collectives.my_rank())
             x = x[..., k * width : (k + 1) * width]
         y = keras.ops.matmul(x, self.kernel)
-        y = _common.scatter_batch_sum(y, group, self.name, self.timeout)
+        y = _collectives.scatter_batch_sum(y, group, self.name, self.timeout)
         if self.bias is not None:
             y = y + self.bias
         return self.activation(y)

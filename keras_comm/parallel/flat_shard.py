@@ -8,41 +8,32 @@ group size; at most ``n - 1`` padding elements per weight, which stay zero
 under training (their gradient is zero, and so is every optimizer's update of
 a zero weight with a zero gradient, weight decay included).
 
-The layers of one `FullyShard` are moved in one collective per direction:
-``pack`` lays the layer's weights out member-major (member i's pieces of
-every weight, side by side), so a single all-gather or reduce-scatter over
-the packed buffer moves all of them.
+The weights of one `FullyShard` move in one collective per direction,
+packed member-major (`keras_comm.variables.packing`, where the layout is
+written down).
 """
 
 import dataclasses
 import math
 
-import numpy as np
-
 from keras_comm.parallel import sharded
+from keras_comm.variables import packing
+
+# A flat shard is a variable of its own, so it holds at least one element.
+_MINIMUM = 1
 
 
 def shard_size(size, num_shards):
-    """Elements per replica: ``ceil(size / num_shards)`` (at least 1)."""
-    return max(1, -(-int(size) // int(num_shards)))
+    """Elements per replica: ``ceil(size / num_shards)``, at least 1."""
+    return packing.shard_size(int(size), int(num_shards), _MINIMUM)
 
 
 def padded_size(size, num_shards):
-    return shard_size(size, num_shards) * int(num_shards)
+    return packing.padded_size(int(size), int(num_shards), _MINIMUM)
 
 
-def slice_flat(full, num_shards, index):
-    """Replica `index`'s piece of the numpy array `full` (flattened, padded)."""
-    flat = np.reshape(np.asarray(full), -1)
-    k = shard_size(flat.size, num_shards)
-    flat = np.pad(flat, (0, k * num_shards - flat.size))
-    return flat[index * k : (index + 1) * k]
-
-
-def unflatten(gathered, shape):
-    """The full weight from the concatenation of every replica's piece."""
-    size = math.prod(shape)
-    return np.reshape(np.asarray(gathered)[:size], shape)
+slice_flat = packing.slice_flat
+unflatten = packing.unflatten
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,12 +71,14 @@ from keras_comm import ops
 from keras_comm._private import keras_api
 from keras_comm.ops import _differentiable as D
 from keras_comm.parallel import _checkpoint
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
 from keras_comm.parallel import _initial
 from keras_comm.parallel import flat_shard
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.parallel import sharded
-from keras_comm.training import reduction
+from keras_comm.variables import annotations
+from keras_comm.variables import packing
 
 
 class Accumulation(enum.Enum):
@@ -251,6 +253,7 @@ class FullyShard(_common.ParallelLayer):
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(mesh=mesh, axis=axis, seed=seed, timeout=timeout, **kwargs)
         self.accumulation = Accumulation.from_value(accumulation)
+        self._accumulation_window = None  # set by ParallelOptimizer
         self.accumulation_steps = _validation.accumulation_steps(accumulation_steps)
         if checkpoint_name is not None and (
             not isinstance(checkpoint_name, str) or not checkpoint_name or "/" in checkpoint_name
@@ -416,8 +419,8 @@ class FullyShard(_common.ParallelLayer):
                 trainable=True,
             )
             tf_var = keras_api.tf_variable(shard)
-            sharded.register_spec(tf_var, spec)
-            reduction.set_gradient_hook(
+            annotations.register_spec(tf_var, spec)
+            annotations.set_gradient_hook(
                 tf_var, lambda g, spec=spec: _reduce_over_other_axes(spec, g, self.name)
             )
             sharded.assign_full(shard, self._initial_value(inner, w, sharded._strategy_of([shard])))
@@ -468,7 +471,7 @@ class FullyShard(_common.ParallelLayer):
         return self._hidden.layer.compute_output_spec(*args, **kwargs)
 
     def _group(self):
-        rank = 0 if _common.shape_only() else None
+        rank = 0 if _collectives.shape_only() else None
         return mesh_lib.runtime_mesh(self.mesh, self.axis).group(self.axis, rank)
 
     def _gather(self, shards):
@@ -482,13 +485,15 @@ class FullyShard(_common.ParallelLayer):
             if dtype.is_floating and _is_float(compute) and tf.as_dtype(compute) != dtype:
                 pieces = [tf.cast(p, compute) for p in pieces]
             packed = tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
-            gathered = _common.gather_along(packed, 0, group, f"{self.name}_gather", self.timeout)
-            sizes = [self._specs[i].shard_shape[0] for i in index]
-            columns = tf.split(tf.reshape(gathered, [n, -1]), sizes, axis=1)
-            for i, c in zip(index, columns):
-                spec = self._specs[i]
-                full[i] = tf.reshape(tf.reshape(c, [-1])[: spec.size], spec.full_shape)
+            gathered = _collectives.gather_along(packed, 0, group, f"{self.name}_gather", self.timeout)
+            shapes = [self._specs[i].full_shape for i in index]
+            for i, w in zip(index, packing.unpack(gathered, self._layout(index, n), shapes)):
+                full[i] = w
         return full
+
+    def _layout(self, index, n):
+        """The member-major layout of shards `index` over `n` members."""
+        return packing.Layout([self._specs[i].size for i in index], n, minimum=1)
 
     def _backward_gather(self, shards, upstream, position):
         """The backward's full weights, and with `prefetch` the all-gather
@@ -521,17 +526,6 @@ class FullyShard(_common.ParallelLayer):
             trace.prefetched[previous] = layer._gather(_after(layer_shards, upstream))
         return full
 
-    def _pack_gradients(self, grads, index, dtype, n):
-        """Member-major packed buffer of full-size gradients (padded)."""
-        parts = []
-        for i in index:
-            spec = self._specs[i]
-            g = tf.reshape(tf.cast(grads[i], dtype), [-1])
-            g = tf.pad(g, [[0, spec.shard_shape[0] * n - spec.size]])
-            parts.append(tf.reshape(g, [n, -1]))
-        packed = tf.concat(parts, 1) if len(parts) > 1 else parts[0]
-        return tf.reshape(packed, [-1])
-
     def _scatter(self, grads):
         """This replica's shard gradients from the full local gradients."""
         group = self._group()
@@ -543,10 +537,10 @@ class FullyShard(_common.ParallelLayer):
             count = self._hidden.count
             update = tf.equal((count.read_value() + 1) % self.accumulation_steps, 0)
         for dtype, index in self._buckets().items():
-            packed = self._pack_gradients(grads, index, dtype, n)
+            packed = packing.pack([grads[i] for i in index], self._layout(index, n), dtype)
 
             def reduce_scatter(x):
-                return _common.scatter_batch_sum(x, group, f"{self.name}_grad", self.timeout)
+                return _collectives.scatter_batch_sum(x, group, f"{self.name}_grad", self.timeout)
 
             if local:
                 acc = self._hidden.acc[dtype]
@@ -581,54 +575,33 @@ class FullyShard(_common.ParallelLayer):
         bad = tf.add_n(
             [tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(g)), tf.float32)) for g in grads]
         )
-        if group.size > 1 and not _common.shape_only():
+        if group.size > 1 and not _collectives.shape_only():
             bad = ops.all_reduce(bad, group=group, timeout=self.timeout, name=f"{self.name}_grad_finite")
         poison = tf.where(bad > 0, tf.constant(float("nan")), tf.constant(0.0))
         return [o + tf.cast(poison, o.dtype) for o in out]
 
-    def _check_local_window(self):
-        """At trace time of a backward with "local" accumulation: the layer's
-        every-k-th reduce-scatter must fall on ParallelOptimizer's updates.
+    def set_accumulation_window(self, steps):
+        """Declares who applies this layer's "local" accumulation.
 
-        The layer counts its own backward passes; the callback applies an
-        epoch's last, partial window early (and, when the epoch's length is
-        unknown, flushes it without a backward). Either would silently give
-        the optimizer the wrong gradients, so both are refused here, as is a
-        missing or differently sized callback.
+        `keras_comm.callbacks.ParallelOptimizer` calls it when a `fit` it
+        serves begins (its `accumulation_steps`, once it has checked that its
+        updates fall on the layer's every k-th backward) and ends (None).
         """
-        from keras_comm.callbacks import parallel_optimizer  # imports keras_comm.parallel
+        self._accumulation_window = steps
 
+    def _check_local_window(self):
+        """At trace time of a backward with "local" accumulation: a
+        ParallelOptimizer with the same `accumulation_steps` must serve the
+        fit, or the optimizer would apply zero gradients k-1 times in k."""
         k = self.accumulation_steps
-        callbacks = [
-            cb for model, cb in list(parallel_optimizer._ACTIVE.items())
-            if any(layer is self for layer in _fully_sharded_layers(model))
-        ]
-        prefix = (
-            f"FullyShard {self.name!r}: accumulation='local' with "
-            f"accumulation_steps={k} reduce-scatters once every {k} backward passes, so"
-        )
-        if not callbacks:
+        if self._accumulation_window != k:
             raise ValueError(
-                f"{prefix} it trains only under model.fit with "
+                f"FullyShard {self.name!r}: accumulation='local' with "
+                f"accumulation_steps={k} reduce-scatters once every {k} backward "
+                "passes, so it trains only under model.fit with "
                 f"keras_comm.callbacks.ParallelOptimizer(accumulation_steps={k}) "
                 "(without it the optimizer would apply zero gradients k-1 "
                 "times in k). Received: no ParallelOptimizer serving this fit"
-            )
-        callback = callbacks[0]
-        if callback.accumulation_steps != k:
-            raise ValueError(
-                f"{prefix} `accumulation_steps` must equal ParallelOptimizer's. "
-                f"Received: accumulation_steps={k}, "
-                f"ParallelOptimizer(accumulation_steps={callback.accumulation_steps})"
-            )
-        steps = callback.params.get("steps") if callback.params else None
-        if steps is None or int(steps) % k:
-            raise ValueError(
-                f"{prefix} each epoch's number of batches must be a known "
-                f"multiple of {k} (ParallelOptimizer applies an epoch's last, "
-                "partial window early, out of step with the layer; use "
-                "steps_per_epoch, drop the remainder, or accumulation="
-                f"'sharded'). Received: batches per epoch={steps}"
             )
 
     def _run(self, full, non_trainable, flat_inputs, structure, kwargs):
@@ -966,13 +939,17 @@ def _reduce_over_other_axes(spec, grad, name):
 # --- Whole models -------------------------------------------------------------
 
 
-def _fully_sharded_layers(model_or_layer):
+def fully_sharded_layers(model_or_layer):
+    """The `FullyShard` layers of a model or layer, nested models included."""
     if isinstance(model_or_layer, FullyShard):
         return [model_or_layer]
     out = []
     for layer in getattr(model_or_layer, "layers", []):
-        out += [layer] if isinstance(layer, FullyShard) else _fully_sharded_layers(layer)
+        out += [layer] if isinstance(layer, FullyShard) else fully_sharded_layers(layer)
     return out
+
+
+_fully_sharded_layers = fully_sharded_layers
 
 
 def _owners(model_or_layer):

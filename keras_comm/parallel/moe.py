@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm import ops
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
 from keras_comm.parallel import sharded
 
@@ -170,7 +171,7 @@ class MixtureOfExperts(_common.ParallelLayer):
         return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [self.units]], 0))
 
     def _exchange(self, x, group):
-        if group.size == 1 or _common.shape_only():
+        if group.size == 1 or _collectives.shape_only():
             return x
         return ops.all_to_all(
             x, group.size, 0, 0, group=group, timeout=self.timeout, name=self.name

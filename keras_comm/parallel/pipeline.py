@@ -19,14 +19,13 @@ from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 from keras_comm.layers._base import CollectiveLayer
 from keras_comm.ops import point_to_point as p2p
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
 from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
 from keras_comm.parallel import schedules
 from keras_comm.parallel import sharded
-from keras_comm.training import nontrainable
-from keras_comm.training import reduction
-from keras_comm.training import sharded_state
+from keras_comm.variables import annotations
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -98,7 +97,7 @@ class PipelineStage(CollectiveLayer):
 
     def call(self, inputs):
         world = topology.world_size()
-        if world == 1 or _common.shape_only():
+        if world == 1 or _collectives.shape_only():
             return self.second(self.first(inputs))
         if world != 2:
             raise ValueError(
@@ -416,12 +415,12 @@ class Pipeline(_common.ParallelLayer):
             dtype=self._weight_dtype,
             trainable=True,
         )
-        reduction.set_gradient_hook(self._buffer, self._reduce_gradient)
+        annotations.set_gradient_hook(self._buffer, self._reduce_gradient)
         # The hook is one sum over the stage's data group (no tensor-parallel
         # stage weights): ParallelOptimizer(zero_stage>=1) shards the
         # buffer's optimizer state over that group.
-        sharded_state.set_data_group(self._buffer, self._data_group)
-        sharded.register_composite(self._buffer, self)
+        annotations.set_data_group(self._buffer, self._data_group)
+        annotations.register_composite(self._buffer, self)
         if n > 1 or self._tp_axes:
             # The buffer's optimizer slots (momentum, Adam moments) differ by
             # stage (and tensor-parallel shard) like the buffer: saved
@@ -429,7 +428,7 @@ class Pipeline(_common.ParallelLayer):
             # layout and loaded as each replica's own part, never the
             # chief's part for all.
             full_size = sum(int(np.prod(shape)) for shape in self._full_shapes())
-            sharded.register_spec(
+            annotations.register_spec(
                 self._buffer,
                 _StageBufferSpec(
                     (full_size,), 0, self.mesh, self.axis, self._gather_group(0).size,
@@ -449,9 +448,9 @@ class Pipeline(_common.ParallelLayer):
             # Stage s's statistics live on stage s's replicas: the step
             # averages them over those replicas only (`_write_state`), not
             # over the world as `keras_comm.training.nontrainable` would.
-            nontrainable.keep_per_replica(self._state_buffer)
+            annotations.keep_per_replica(self._state_buffer)
             # Saved and loaded through the trainable buffer's full values.
-            sharded.register_composite(self._state_buffer, _NoValues())
+            annotations.register_composite(self._state_buffer, _NoValues())
         self._assign_initial_values()
         self.built = True
 
@@ -485,7 +484,7 @@ class Pipeline(_common.ParallelLayer):
 
     def _check_stage_weight(self, s, v):
         """Stage s's weight `v`: its `DeferredShard` if tensor-parallel, else None."""
-        d = sharded.deferred_shard(v)
+        d = annotations.deferred_shard(v)
         if d is None and sharded.is_sharded(v):
             raise ValueError(
                 f"Pipeline {self.name!r}: stage {s} holds the sharded weight {v.path!r}, "
@@ -824,18 +823,18 @@ class Pipeline(_common.ParallelLayer):
         return keras.KerasTensor(shape, dtype=dtype)
 
     def call(self, inputs, training=None):
-        if _common.shape_only():
+        if _collectives.shape_only():
             b = tf.shape(inputs)[0]
             return tf.zeros(tf.concat([[b], self._shapes[-1][1:]], 0), self._dtypes[-1])
         group = self.group()
         if group.size == 1:
             y, new_state = self._sequential(inputs, training)
         else:
-            x = _common.gather_batch(inputs, group, self.name, self.timeout)
+            x = _collectives.gather_batch(inputs, group, self.name, self.timeout)
             flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
             y, new_state = self._pipelined(x, flat, self._state_tensor(), group, training)
             y = ops.all_reduce(y, group=group, timeout=self.timeout, name=f"{self.name}_output")
-            y = _common.own_rows(y, group)
+            y = _collectives.own_rows(y, group)
         if training and self._state_buffer is not None:
             write = self._write_state(new_state, after=[y])
             with tf.control_dependencies([write]):
@@ -886,6 +885,55 @@ class Pipeline(_common.ParallelLayer):
         y = run(x, flat)
         new_state = holder["state"]
         return y, (None if new_state is None else tf.stop_gradient(new_state))
+
+    # -- the training step's plug-in -------------------------------------------------
+
+    @property
+    def computes_loss_in_schedule(self):
+        """Whether `model.fit` hands this layer the loss (`run_training_schedule`).
+
+        1F1B starts micro-batch i's backward before later micro-batches'
+        forwards, so it needs micro-batch i's loss while the schedule runs;
+        GPipe runs every forward first and takes the gradient Keras computes.
+        """
+        return self.schedule == "1f1b"
+
+    def run_training_schedule(self, inputs, loss_fn):
+        """In replica context: the whole training table, forward and backward.
+
+        The plug-in of `keras_comm.training.pipeline` for a model whose
+        output is this layer (with `computes_loss_in_schedule`): the last
+        stage computes micro-batch i's loss right after its forward and
+        backpropagates it at once.
+
+        Args:
+            inputs: the pipeline group's batch (gathered over `group()`).
+            loss_fn: ``loss_fn(i, y_pred) -> loss``, micro-batch i's loss,
+                scaled as the optimizer will unscale it.
+
+        Returns:
+            A `ScheduleResult`.
+        """
+        group = self.group()
+        x = self._check_batch(inputs)
+        flat = tf.convert_to_tensor(keras_api.tf_variable(self._buffer))
+        s = group.index(topology.rank())
+        table = schedules.train_schedule(self.schedule, self.num_stages, self.num_micro_batches)[s]
+        ex = _Executor(self, s, group, x, flat, True, loss_fn=loss_fn, state=self._state_tensor())
+        ex.run(table)
+        dflat = ex.weight_gradient()
+        if ex.state is not None:
+            # The stages' moving statistics after every micro-batch, averaged
+            # over the stage's replicas (not the world: the per-step sync
+            # leaves the per-stage buffer alone).
+            dflat = p2p._after(dflat, [self._write_state(ex.state, after=[dflat])])
+        y = ops.all_reduce(ex.output(), group=group, timeout=self.timeout, name=f"{self.name}_output")
+
+        def input_gradient():
+            dx = ex.input_gradient()
+            return ops.reduce_scatter(dx, group=group, timeout=self.timeout, name=f"{self.name}_input_grad")
+
+        return ScheduleResult(_collectives.own_rows(y, group), [(self._buffer, dflat)], input_gradient)
 
     # -- weights in the unsplit order ------------------------------------------------
 
@@ -974,6 +1022,24 @@ class Pipeline(_common.ParallelLayer):
             schedule=self.schedule,
         )
         return config
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleResult:
+    """What `Pipeline.run_training_schedule` computed on one replica.
+
+    Attributes:
+        output: this replica's rows of the last stage's output.
+        gradients: ``[(variable, gradient)]`` of the layer's weights (this
+            stage's, not yet reduced over its data group).
+        input_gradient: ``input_gradient() -> tensor``, this replica's rows
+            of the gradient of the layer's input (a reduce-scatter, issued
+            when called).
+    """
+
+    output: object
+    gradients: list
+    input_gradient: object
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ handle it as usual) and changes three things:
   equals an unsplit layer's weight with the same seeded initializer. (The
   full value exists transiently on the host at build; the variable holds 1/N.)
 * **Gradient.** The variable carries its own gradient reduction
-  (`keras_comm.training.reduction`), which the optimizer calls instead of
+  (`keras_comm.variables.annotations.set_gradient_hook`), which the optimizer calls instead of
   its world all-reduce: a SUM over the weight's *data-parallel
   group* (the replicas holding the same shard; nothing when there are none).
   The optimizer then applies each replica's own gradient to its own
@@ -43,7 +43,6 @@ and the others to a path of their own. Per-replica access in one process:
 """
 
 import dataclasses
-import weakref
 import zlib
 
 import keras
@@ -54,13 +53,13 @@ from keras_comm import ops
 from keras_comm import topology
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
-from keras_comm.parallel import _common
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
-from keras_comm.training import reduction
+from keras_comm.variables import annotations
 
 #: Attribute (on the tf.Variable) that the optimizer's gradient reduction reads.
-REDUCE_GRADIENT_ATTR = reduction.GRADIENT_HOOK_ATTR
+REDUCE_GRADIENT_ATTR = annotations.GRADIENT_HOOK_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,39 +109,6 @@ class ShardSpec:
         return full[tuple(sl)]
 
 
-class _ByIdentity:
-    """Values attached to live objects, keyed by identity.
-
-    Variables hash by identity only through `id()`, and an id is reused as
-    soon as its object is gone: a plain ``{id(v): spec}`` let a new variable
-    created at a dead sharded one's address read as sharded (a test's
-    non-trainable state was then left out of the per-step sync, depending on
-    which tests had run before in the process). A weak reference kept beside
-    each entry tells the two apart, and drops the entry with its object.
-    """
-
-    def __init__(self):
-        self._entries = {}
-
-    def __setitem__(self, obj, value):
-        key = id(obj)
-
-        def forget(ref, key=key):
-            if self._entries.get(key, (None,))[0] is ref:
-                del self._entries[key]
-
-        self._entries[key] = (weakref.ref(obj, forget), value)
-
-    def get(self, obj):
-        entry = self._entries.get(id(obj))
-        if entry is None or entry[0]() is not obj:
-            return None
-        return entry[1]
-
-
-_specs = _ByIdentity()
-
-
 @dataclasses.dataclass(frozen=True)
 class DeferredShard:
     """A sharded weight created without a value (inside a `keras.StatelessScope`).
@@ -163,40 +129,11 @@ class DeferredShard:
         return np.asarray(keras.ops.convert_to_numpy(init(self.spec.full_shape, dtype=dtype)))
 
 
-_deferred = _ByIdentity()
-
-
-def deferred_shard(variable):
-    """The `DeferredShard` of a Keras variable created without a value, or None."""
-    return _deferred.get(variable)
-
-
 _tf_variable = keras_api.tf_variable
-
-
-def shard_spec(variable):
-    """The `ShardSpec` of `variable`, or None if it is not sharded."""
-    spec = _specs.get(_tf_variable(variable))
-    deferred = _deferred.get(variable) if spec is None else None
-    if deferred is not None:  # a Pipeline stage's shard
-        spec = deferred.spec
-    return spec
-
-
-def is_sharded(variable):
-    return shard_spec(variable) is not None
-
-
-def register_spec(variable, spec):
-    """Declares `variable` per replica, split as `spec` says.
-
-    For layers that create per-replica weights of their own layout
-    (`FullyShard`'s flat shards, `Pipeline`'s stage buffer): checkpoints then
-    save the variable and its optimizer slots gathered full-size and load
-    each replica's slice (`keras_comm.parallel._checkpoint`), so no replica's
-    part is lost or replaced by the chief's on resume.
-    """
-    _specs[_tf_variable(variable)] = spec
+deferred_shard = annotations.deferred_shard
+shard_spec = annotations.shard_spec
+is_sharded = annotations.is_sharded
+register_spec = annotations.register_spec
 
 
 def _components(variable):
@@ -284,10 +221,10 @@ def add_sharded_weight(
         # replica's shard from this record and reduces its gradient.
         if seed is None:
             seed = zlib.crc32(variable.path.encode()) % (2**31)
-        _deferred[variable] = DeferredShard(spec, initializer, int(seed))
+        annotations.register_deferred(variable, DeferredShard(spec, initializer, int(seed)))
         return variable
-    _specs[tf_var] = spec
-    reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
+    annotations.register_spec(tf_var, spec)
+    annotations.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:
         seed = zlib.crc32(variable.path.encode()) % (2**31)
 
@@ -365,7 +302,7 @@ def gather_full(variable, name=None):
     value = tf.convert_to_tensor(_tf_variable(variable))
     if spec is None:
         return value
-    return _common.gather_along(value, spec.shard_axis, spec.model_group(), name)
+    return _collectives.gather_along(value, spec.shard_axis, spec.model_group(), name)
 
 
 def _strategy_of(weights):
@@ -376,19 +313,8 @@ def _strategy_of(weights):
     return tf.distribute.get_strategy()
 
 
-# Weights that stand for several full weights: a `Pipeline`'s per-replica
-# stage buffer is its stages' weights. id(tf.Variable) -> the owner, with
-# `full_values()` / `set_full_values(values)` / `full_value_count()`.
-_composites = {}
-
-
-def register_composite(variable, owner):
-    """Makes `full_weights` expand `variable` into ``owner.full_values()``."""
-    _composites[id(_tf_variable(variable))] = owner
-
-
-def _composite(variable):
-    return _composites.get(id(_tf_variable(variable)))
+register_composite = annotations.register_composite
+_composite = annotations.composite
 
 
 def full_weights(model_or_layer):
