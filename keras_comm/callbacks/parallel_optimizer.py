@@ -11,8 +11,8 @@ from keras_comm import _validation
 from keras_comm import topology
 from keras_comm.parallel import fully_sharded
 from keras_comm.training import accumulate
-from keras_comm.training import sharded_state
-from keras_comm.training import sharding
+from keras_comm.training import optimizer_shards
+from keras_comm.training import accumulate_plan
 from keras_comm.training import step
 from keras_comm.variables import annotations
 
@@ -263,7 +263,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             )
         if model.optimizer is None:
             raise ValueError("ParallelOptimizer needs a compiled model. Received: optimizer=None")
-        _, inner = sharded_state.user_optimizers(model.optimizer)
+        _, inner = optimizer_shards.user_optimizers(model.optimizer)
         if getattr(inner, "gradient_accumulation_steps", None):
             raise ValueError(
                 "Use ParallelOptimizer(accumulation_steps=...) instead of the "
@@ -392,11 +392,11 @@ class ParallelOptimizer(keras.callbacks.Callback):
             self._take_slots()
             self._needs_reshard = False
         steps = self.params.get("steps") if self.params else None
-        if self._functions["micro"] is None or sharding.is_apply_step(
+        if self._functions["micro"] is None or accumulate_plan.is_apply_step(
             self._pending, self.accumulation_steps, self._step_in_epoch, steps
         ):
             self._engine.state.set_scale(
-                sharding.accumulation_scale(self._pending + 1, self.mean)
+                accumulate_plan.accumulation_scale(self._pending + 1, self.mean)
             )
             logs = self._functions["apply"](iterator)
             self._engine.state.release_masters()
@@ -425,13 +425,13 @@ class ParallelOptimizer(keras.callbacks.Callback):
         if self._engine.external is None:
             self._engine.external = accumulate.ExternalSlots(self._engine)
         store = self._engine.external
-        for opt in sharded_state.user_optimizers(self.model.optimizer):
+        for opt in optimizer_shards.user_optimizers(self.model.optimizer):
             if opt is not None:
                 annotations.register_external_slots(opt, store)
 
     def _flush(self):
         if self._pending and self._functions and self._functions["flush"] is not None:
-            self._engine.state.set_scale(sharding.accumulation_scale(self._pending, self.mean))
+            self._engine.state.set_scale(accumulate_plan.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
             self._engine.state.release_masters()
             self._pending = 0

@@ -274,8 +274,8 @@ def _statically_empty(x):
 
     TensorFlow's CPU collectives crash the process (SIGSEGV) on some empty
     inputs -- a broadcast of a [0] tensor between 2 in-process replicas
-    every time, eager all-reduces intermittently (found by
-    tests/test_fuzz_replicas.py) -- so no collective is launched for them.
+    every time, eager all-reduces intermittently -- so no collective is
+    launched for them.
     The decision depends on the static shape only, so members that agree
     on the shape all skip, and keep drawing the same instance keys.
     """

@@ -26,7 +26,7 @@ optimizer side on Keras's TensorFlow optimizer (called by
 
 An optimizer whose slots live elsewhere (`ParallelOptimizer` keeps them as
 1/N shards and releases the optimizer's own, see
-`keras_comm.training.sharded_state`) registers an external store with
+`keras_comm.training.optimizer_shards`) registers an external store with
 `keras_comm.variables.annotations.register_external_slots`: a save writes each variable it owns as its
 ``value(variable)`` (full size, asked one variable at a time) and a load
 hands it ``assign(variable, full_value)``. The file is the same.
@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm.parallel import _collectives
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 from keras_comm.variables import annotations
 
 # Per owner (layer or optimizer): (variables' ids, compiled gather function).
@@ -67,18 +67,18 @@ def _gather(owner, pairs):
     A collective over every replica when any variable is split: all workers
     must call it with the same variables, in the same order.
     """
-    strategy = sharded._strategy_of([v for v, _ in pairs])
+    strategy = sharded_weights.strategy_of([v for v, _ in pairs])
     if not _needs_gather(pairs, strategy):
         return [_to_full(s, v.numpy()) for v, s in pairs]
     sharded_pairs = [(v, s) for v, s in pairs if s is not None and s.num_shards > 1]
-    key = tuple(id(sharded._tf_variable(v)) for v, _ in sharded_pairs)
+    key = tuple(id(keras_api.tf_variable(v)) for v, _ in sharded_pairs)
     cached = _GATHERS.get(owner)
     if cached is None or cached[0] != key:
 
         def replica_fn():
             return [
                 _collectives.gather_along(
-                    tf.convert_to_tensor(sharded._tf_variable(v)),
+                    tf.convert_to_tensor(keras_api.tf_variable(v)),
                     s.shard_axis,
                     s.model_group(),
                     name="checkpoint_gather",
@@ -126,10 +126,10 @@ def _assign(variable, spec, value, owner_name):
             f"{spec.full_shape}, and a file must hold the full weight.{hint} "
             f"Received: value of shape {tuple(value.shape)}"
         )
-    comps = sharded._components(variable)
-    strategy = sharded._strategy_of([variable])
+    comps = sharded_weights.components(variable)
+    strategy = sharded_weights.strategy_of([variable])
     with tf.init_scope(), strategy.scope():
-        for rank, comp in zip(sharded._local_ranks(len(comps), strategy), comps):
+        for rank, comp in zip(sharded_weights.local_ranks(len(comps), strategy), comps):
             comp.assign(tf.cast(spec.slice(value, spec.shard_index(rank)), comp.dtype))
 
 
@@ -141,7 +141,7 @@ def _layer_variables(layer):
 def save_layer(layer, store):
     """`Layer.save_own_variables` for layers with sharded weights."""
     variables = _layer_variables(layer)
-    pairs = [(v, sharded.shard_spec(v)) for v in variables]
+    pairs = [(v, sharded_weights.shard_spec(v)) for v in variables]
     for i, value in enumerate(_gather(layer, pairs)):
         store[str(i)] = value
 
@@ -157,7 +157,7 @@ def load_layer(layer, store):
             f"{len(store.keys())} saved variables"
         )
     for i, v in enumerate(variables):
-        _assign(v, sharded.shard_spec(v), store[str(i)], f"Layer {layer.name!r}")
+        _assign(v, sharded_weights.shard_spec(v), store[str(i)], f"Layer {layer.name!r}")
 
 
 def optimizer_slot_specs(optimizer):
@@ -172,9 +172,9 @@ def optimizer_slot_specs(optimizer):
         if opt is not None:
             references += list(getattr(opt, "_trainable_variables", []))
     prefixes = [
-        (v.path.replace("/", "_") + "_", sharded.shard_spec(v))
+        (v.path.replace("/", "_") + "_", sharded_weights.shard_spec(v))
         for v in references
-        if sharded.is_sharded(v)
+        if sharded_weights.is_sharded(v)
     ]
     specs = []
     for variable in optimizer.variables:

@@ -11,7 +11,6 @@ per-replica batches; members of one group must hold equally many samples.
 """
 
 import keras
-import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm.layers._base import CollectiveLayer

@@ -9,12 +9,11 @@ hidden activations stay split and the pair communicates once on the way in
 """
 
 import keras
-import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -90,13 +89,13 @@ class ColumnParallelDense(_common.ParallelLayer):
     def build(self, input_shape):
         self.split_size(self.units, "units", built=True)
         in_dim = int(input_shape[-1])
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 1, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            self.bias = sharded.add_sharded_weight(
+            self.bias = sharded_weights.add_sharded_weight(
                 self, "bias", (self.units,), 0, self.mesh, self.axis,
                 self.bias_initializer, self.weight_seed(1),
             )
@@ -194,13 +193,13 @@ class RowParallelDense(_common.ParallelLayer):
             in_dim *= n
         else:
             self.split_size(in_dim, "input_dim", built=True)
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            init = sharded._seeded(self.bias_initializer, self.weight_seed(1) or 0)
+            init = sharded_weights.seeded_initializer(self.bias_initializer, self.weight_seed(1) or 0)
             self.bias = self.add_weight(name="bias", shape=(self.units,), initializer=init)
 
     def call(self, inputs):
@@ -223,7 +222,7 @@ class RowParallelDense(_common.ParallelLayer):
             # The input is 1/n of the full input dim for the group size n at
             # build; record the full dim so a model saved by one cluster size
             # is rebuilt (`keras.models.load_model`) in another.
-            config["full_input_dim"] = sharded.shard_spec(self.kernel).full_shape[0]
+            config["full_input_dim"] = sharded_weights.shard_spec(self.kernel).full_shape[0]
         return config
 
     def build_from_config(self, config):

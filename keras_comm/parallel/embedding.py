@@ -6,7 +6,7 @@ import tensorflow as tf
 from keras_comm import _validation
 from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -52,7 +52,7 @@ class ParallelEmbedding(_common.ParallelLayer):
 
     def build(self, input_shape):
         self.split_size(self.input_dim, "input_dim", built=True)
-        self.embeddings = sharded.add_sharded_weight(
+        self.embeddings = sharded_weights.add_sharded_weight(
             self, "embeddings", (self.input_dim, self.output_dim), 0, self.mesh,
             self.axis, self.embeddings_initializer, self.weight_seed(0),
         )

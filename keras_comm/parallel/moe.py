@@ -10,7 +10,7 @@ from keras_comm import _validation
 from keras_comm import ops
 from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 def capacity(num_tokens, num_experts, top_k, capacity_factor):
@@ -137,15 +137,15 @@ class MixtureOfExperts(_common.ParallelLayer):
         self.router = self.add_weight(
             name="router",
             shape=(d, self.num_experts),
-            initializer=sharded._seeded(self.router_initializer, self.weight_seed(2) or 0),
+            initializer=sharded_weights.seeded_initializer(self.router_initializer, self.weight_seed(2) or 0),
         )
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (self.num_experts, d, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            self.bias = sharded.add_sharded_weight(
+            self.bias = sharded_weights.add_sharded_weight(
                 self, "bias", (self.num_experts, self.units), 0, self.mesh, self.axis,
                 self.bias_initializer, self.weight_seed(1),
             )

@@ -5,7 +5,7 @@ The replica steps `ParallelOptimizer` compiles through
 
 1. `forward` (`keras_comm.training.replicated.forward`): this replica's
    gradients, float32, zeros for None.
-2. `_contribution`: packed shard-major (`keras_comm.training.sharding`);
+2. `_contribution`: packed shard-major (`keras_comm.training.accumulate_plan`);
    zero_stage 2 reduce-scatters it at once. A micro step adds it to the
    accumulation buffer and stops there.
 3. `_update` (apply step, or flush at an epoch end): the accumulated sum
@@ -13,18 +13,18 @@ The replica steps `ParallelOptimizer` compiles through
    (zero_stage 1) or already done (zero_stage 2) -- scaled by 1/k for a mean
    over k micro-batches; hooked variables through their own reduction
    (`keras_comm.training.reduction`), group-sharded ones (a pipeline stage
-   buffer under zero_stage >= 1, see `sharded_state`) reduce-scattered over
+   buffer under zero_stage >= 1, see `optimizer_shards`) reduce-scattered over
    their data group instead.
 4. `apply_update`: unscale and check the loss scale, clip, decay, and the
    optimizer maths on this replica's shard of the masters. No collectives.
 5. The full weights back on every replica (one all-gather when sharded).
 
-State (masters, slots, buffers) lives in `sharded_state.ShardedState`; the
+State (masters, slots, buffers) lives in `optimizer_shards.ShardedState`; the
 masters are filled at step 2 and released by the host after the update, and
 `ExternalSlots` serves the (released) user optimizer's slots to
 checkpoints.
-Collectives are keras_comm primitives named ``parallel_optimizer_*`` (tests
-count them in the traced graphs). Per update: zero_stage 0 one all-reduce of
+Collectives are keras_comm primitives named ``parallel_optimizer_*``, so a
+traced graph shows which are the callback's. Per update: zero_stage 0 one all-reduce of
 the packed gradient; zero_stage 1 one reduce-scatter plus one all-gather
 (together the bytes of one all-reduce); zero_stage 2 one reduce-scatter per
 micro-step plus one all-gather per update. Loss scaling with a sharded
@@ -39,12 +39,12 @@ from keras_comm.ops import _collective
 from keras_comm.training import nontrainable
 from keras_comm.training import pipeline
 from keras_comm.training import replicated
-from keras_comm.training import sharded_state
+from keras_comm.training import optimizer_shards
 from keras_comm.training import step
-from keras_comm.training.sharded_state import ShardedState
-from keras_comm.training.sharded_state import fill
-from keras_comm.training.sharded_state import local_variable
-from keras_comm.training.sharded_state import prod
+from keras_comm.training.optimizer_shards import ShardedState
+from keras_comm.training.optimizer_shards import fill
+from keras_comm.training.optimizer_shards import local_variable
+from keras_comm.training.optimizer_shards import prod
 from keras_comm.parallel import _collectives
 from keras_comm.variables import annotations
 from keras_comm.variables import packing
@@ -410,7 +410,7 @@ class AccumulateStep:
         s = self.state
         ranks = self.ranks()
         for k, user in enumerate(s.user_slots()):
-            components = sharded_state.local_components(user)
+            components = optimizer_shards.local_components(user)
             layout = packing.Layout((prod(user.shape),), s.num_shards)
             for r, replica in enumerate(s.replicas):
                 slot = s.slot_pairs[r][0][k][0]
@@ -422,21 +422,21 @@ class AccumulateStep:
                     # A copy: the slice shares the full slot's buffer, which
                     # would stay alive through it after the release.
                     fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))
-            sharded_state.release(user)
+            optimizer_shards.release(user)
         # Group-sharded: each replica's component is its own (a stage's);
         # its slot keeps the data-group shard of that component.
         for k, user in enumerate(s.grouped_user_slots()):
-            components = sharded_state.local_components(user)
+            components = optimizer_shards.local_components(user)
             for r, replica in enumerate(s.replicas):
                 slot, _, i = s.slot_pairs[r][2][k]
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     fill(local_variable(slot), tf.raw_ops.DeepCopy(
                         x=self._group_shard(i, ranks[r], component.read_value())))
-            sharded_state.release(user)
+            optimizer_shards.release(user)
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
-                components = sharded_state.local_components(user)
+                components = optimizer_shards.local_components(user)
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
@@ -474,7 +474,7 @@ class AccumulateStep:
         s = self.state
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
-                components = sharded_state.local_components(user)
+                components = optimizer_shards.local_components(user)
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     component.assign(tf.cast(tf.reshape(slot.value, user.shape), component.dtype))
@@ -577,16 +577,16 @@ class ExternalSlots:
         s = self.engine.state
         for user in s.user_slots():
             value = self.value(user)
-            for component in sharded_state.local_components(user):
+            for component in optimizer_shards.local_components(user):
                 with tf.device(component.device):
                     fill(component, tf.constant(value))
         for k, user in enumerate(s.grouped_user_slots()):
             # Each local replica's own whole slot (they differ by stage).
             values = self._group_gather(k, False)
-            for component, value in zip(sharded_state.local_components(user), values):
+            for component, value in zip(optimizer_shards.local_components(user), values):
                 with tf.device(component.device):
                     fill(component, tf.constant(value))
-        for opt in sharded_state.user_optimizers(s.optimizer):
+        for opt in optimizer_shards.user_optimizers(s.optimizer):
             if opt is not None:
                 annotations.register_external_slots(opt, None)
         s.owns_slots = False

@@ -3,8 +3,8 @@
 Keras 3 creates the non-trainable state its layers update in `fit`
 (`BatchNormalization`'s moving mean and variance, a user layer's running
 average) with ``aggregation="none"``: under a multi-replica strategy each
-replica's update changes only its own copy, so the replicas drift apart
-(issue 19) -- `evaluate` and `predict` then differ by worker, and the chief's
+replica's update changes only its own copy, so the replicas drift apart --
+`evaluate` and `predict` then differ by worker, and the chief's
 checkpoint keeps only its own statistics. tf-keras created the moving
 statistics per replica (``synchronization=ON_READ``, MEAN aggregation): each
 replica updated its own copy, and a read outside the replicas (saving,

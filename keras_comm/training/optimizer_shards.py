@@ -46,7 +46,7 @@ else of the optimizer:
   every update anyway, so they are filled (`fill`) at the update and
   released by the host right after it. A master costs its bytes only while
   the update runs (for float16/bfloat16 variables too: the weights stay the
-  source of truth, as before).
+  source of truth).
 
 Slots of hooked variables (whole, per replica) are not released: the
 user's slot and the clone's are both held (counted by `nbytes`).
@@ -70,7 +70,7 @@ import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
-from keras_comm.training import sharding
+from keras_comm.training import accumulate_plan
 from keras_comm.variables import annotations
 from keras_comm.variables import packing
 from keras_comm.variables.annotations import DATA_GROUP_ATTR  # noqa: F401
@@ -287,7 +287,7 @@ class ShardedState:
         self.layout = packing.Layout(
             tuple(prod(v.shape) for v in self.variables), self.num_shards
         )
-        self.buckets = sharding.buckets(self.layout)
+        self.buckets = accumulate_plan.buckets(self.layout)
         self.optimizer = model.optimizer
         self.lso, self.user_inner = user_optimizers(model.optimizer)
         inner = self.user_inner

@@ -1,23 +1,26 @@
-"""Flat shards: each replica's 1/N of a weight flattened and padded (pure maths).
+"""Per-parameter state of a `FullyShard` layer: how each weight is split and reduced.
 
-A weight of shape ``s`` (``size = prod(s)`` elements) split over ``n``
-replicas is flattened, padded with zeros to ``n * k`` elements where
-``k = ceil(size / n)``, and cut into ``n`` contiguous pieces of ``k``:
-replica ``i`` holds elements ``[i*k, (i+1)*k)``. Any shape splits over any
-group size; at most ``n - 1`` padding elements per weight, which stay zero
-under training (their gradient is zero, and so is every optimizer's update of
-a zero weight with a zero gradient, weight decay included).
-
-The weights of one `FullyShard` move in one collective per direction,
-packed member-major (`keras_comm.variables.packing`, where the layout is
-written down).
+[Note: flat shards] A weight of shape ``s`` (``size = prod(s)`` elements)
+split over ``n`` replicas is flattened, padded with zeros to ``n * k``
+elements where ``k = ceil(size / n)`` (at least 1: a shard is a variable of
+its own), and cut into ``n`` contiguous pieces of ``k``: replica ``i`` holds
+elements ``[i*k, (i+1)*k)``. The layout and its packing are
+`keras_comm.variables.packing`'s.
 """
 
+
 import dataclasses
+import enum
 import math
 
-from keras_comm.parallel import sharded
+import keras
+import tensorflow as tf
+
+from keras_comm import _validation
+from keras_comm import ops
+from keras_comm.parallel import sharded_weights
 from keras_comm.variables import packing
+
 
 # A flat shard is a variable of its own, so it holds at least one element.
 _MINIMUM = 1
@@ -37,7 +40,7 @@ unflatten = packing.unflatten
 
 
 @dataclasses.dataclass(frozen=True)
-class FlatShardSpec(sharded.ShardSpec):
+class FlatShardSpec(sharded_weights.ShardSpec):
     """A weight split as flat, padded pieces (see the module docstring).
 
     `full_shape` is the unwrapped weight's shape (what a file holds);
@@ -88,3 +91,60 @@ def memory_accounting(shapes, num_shards, bytes_per_element=4, slots=0):
         "sharded": copies * per * bytes_per_element,
         "padding": copies * pad * bytes_per_element // num_shards,
     }
+
+
+class Hidden:
+    """Holds the inner layer and private state out of Keras's and TF's tracking.
+
+    A tracked inner layer would put its (unallocated) variables into the
+    model's weights and its own entry into checkpoints.
+    """
+
+    def __init__(self, layer, initial):
+        self.layer = layer
+        self.initial = initial
+        self.pending = None
+        self.structure = None
+        self.num_variables = None
+        self.takes_training = False
+        self.acc = {}
+        self.count = None
+
+
+def weight_name(inner, variable):
+    path = variable.path
+    prefix = inner.name + "/"
+    if path.startswith(prefix):
+        path = path[len(prefix):]
+    return path.replace("/", "_")
+
+
+def reduce_over_other_axes(spec, grad, name):
+    """Replica context: the shard gradient is summed over the shard group
+    already; sum it over the replicas holding the same shard."""
+    group = spec.data_group()
+    if group.size == 1 or grad is None:
+        return grad
+    return ops.all_reduce(grad, group=group, name=f"{name}_shard_grad")
+
+
+class Accumulation(enum.Enum):
+    """How a `FullyShard` layer's gradients are accumulated over micro-batches.
+
+    SHARDED: reduce-scatter every micro-batch; accumulate 1/N shards.
+    LOCAL: accumulate the full local gradient; reduce-scatter once per update.
+    """
+
+    SHARDED = "sharded"
+    LOCAL = "local"
+
+    @classmethod
+    def from_value(cls, value):
+        if isinstance(value, cls):
+            return value
+        _validation.one_of(value, [m.value for m in cls], "accumulation")
+        return cls(value)
+
+
+def is_float(dtype):
+    return tf.as_dtype(keras.backend.standardize_dtype(dtype)).is_floating

@@ -125,7 +125,7 @@ class DeferredShard:
 
     def full_value(self, dtype):
         """The full weight's initial value (numpy), the same on every worker."""
-        init = _seeded(self.initializer, self.seed)
+        init = seeded_initializer(self.initializer, self.seed)
         return np.asarray(keras.ops.convert_to_numpy(init(self.spec.full_shape, dtype=dtype)))
 
 
@@ -136,12 +136,12 @@ is_sharded = annotations.is_sharded
 register_spec = annotations.register_spec
 
 
-def _components(variable):
+def components(variable):
     v = _tf_variable(variable)
     return list(v.values) if hasattr(v, "values") else [v]
 
 
-def _local_ranks(num_components, strategy=None):
+def local_ranks(num_components, strategy=None):
     """Global ranks of this process's replicas, in component order."""
     strategy = strategy or tf.distribute.get_strategy()
     if strategy.num_replicas_in_sync == 1:
@@ -150,7 +150,7 @@ def _local_ranks(num_components, strategy=None):
     return [task * num_components + i for i in range(num_components)]
 
 
-def _seeded(initializer, seed):
+def seeded_initializer(initializer, seed):
     init = keras.initializers.get(initializer)
     config = init.get_config()
     if "seed" in config:
@@ -229,12 +229,12 @@ def add_sharded_weight(
         seed = zlib.crc32(variable.path.encode()) % (2**31)
 
     def compute():
-        full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
+        full = seeded_initializer(initializer, seed)(full_shape, dtype=variable.dtype)
         return np.asarray(keras.ops.convert_to_numpy(full))
 
     # Worker 0's full value on every worker: the path (hence the seed) can
     # differ between workers that made other layers before.
-    strategy = _strategy_of([variable])
+    strategy = strategy_of([variable])
     assign_full(variable, _initial.chief_value(strategy, full_shape, variable.dtype, compute))
     return variable
 
@@ -248,23 +248,17 @@ def _reduce_gradient(spec, grad, name):
 
 
 def process_shards(variable):
-    """``{global rank: numpy shard}`` for this process's replicas.
-
-    (Formerly `local_shards`, still importable under that name.)
-    """
-    comps = _components(variable)
-    ranks = _local_ranks(len(comps), _strategy_of([variable]))
+    """``{global rank: numpy shard}`` for this process's replicas (alias: `local_shards`)."""
+    comps = components(variable)
+    ranks = local_ranks(len(comps), strategy_of([variable]))
     return {r: c.numpy() for r, c in zip(ranks, comps)}
 
 
 def assign_process_shards(variable, shards):
-    """Writes ``{global rank: value}`` into this process's components.
-
-    (Formerly `assign_local_shards`, still importable under that name.)
-    """
-    comps = _components(variable)
+    """Writes ``{global rank: value}`` into this process's components (alias: `assign_local_shards`)."""
+    comps = components(variable)
     with tf.init_scope():
-        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps):
+        for r, c in zip(local_ranks(len(comps), strategy_of([variable])), comps):
             if r in shards:
                 c.assign(tf.cast(shards[r], c.dtype))
 
@@ -283,10 +277,10 @@ def assign_full(variable, full):
     """
     spec = shard_spec(variable)
     full = np.asarray(full)
-    comps = _components(variable)
-    strategy = _strategy_of([variable])
+    comps = components(variable)
+    strategy = strategy_of([variable])
     with tf.init_scope(), strategy.scope():
-        for r, c in zip(_local_ranks(len(comps), strategy), comps):
+        for r, c in zip(local_ranks(len(comps), strategy), comps):
             value = full if spec is None else spec.slice(full, spec.shard_index(r))
             c.assign(tf.cast(value, c.dtype))
 
@@ -305,7 +299,7 @@ def gather_full(variable, name=None):
     return _collectives.gather_along(value, spec.shard_axis, spec.model_group(), name)
 
 
-def _strategy_of(weights):
+def strategy_of(weights):
     for w in weights:
         strategy = tf_api.variable_strategy(_tf_variable(w))
         if strategy is not None:
@@ -336,7 +330,7 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
-    strategy = _strategy_of(weights)
+    strategy = strategy_of(weights)
     if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
         return [np.asarray(w.numpy()) for w in weights]
 
@@ -395,8 +389,8 @@ def set_full_weights_of(weights, values):
 
 def shard_nbytes(variable):
     """Bytes each local replica holds for `variable`: ``{rank: bytes}``."""
-    comps = _components(variable)
+    comps = components(variable)
     return {
         r: int(np.prod(c.shape)) * c.dtype.size
-        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps)
+        for r, c in zip(local_ranks(len(comps), strategy_of([variable])), comps)
     }
