@@ -104,24 +104,31 @@ class StageBufferSpec(sharded_weights.ShardSpec):
 class StageBuffer:
     """The stage-buffer half of `Pipeline` (a mixin: `Pipeline` holds the state)."""
 
+    def _flat_layout(self, variables, dtype, what):
+        """``(entries, size, dtype)``: where each of `variables` sits in one flat
+        buffer of one dtype, entries ``(shape, offset, size)`` in order."""
+        entries, offset = [], 0
+        for v in variables:
+            if dtype is None:
+                dtype = v.dtype
+            if v.dtype != dtype:
+                raise ValueError(
+                    f"Pipeline {self.name!r}: every {what} must have one dtype "
+                    f"({dtype}), as they share one buffer. Received: {v.path} of dtype {v.dtype}"
+                )
+            size = int(np.prod(v.shape))
+            entries.append((tuple(v.shape), offset, size))
+            offset += size
+        return entries, offset, dtype
+
     def _build_state_layout(self):
         # Non-trainable float state (BatchNormalization's moving statistics):
         # a second per-replica buffer, laid out like the weights.
         self._state_layout, self._order, dtype = [], [], None
         for s, stage in enumerate(self._holder.items):
-            entries, offset = [], 0
-            for v in stage.non_trainable_variables:
-                if dtype is None:
-                    dtype = v.dtype
-                if v.dtype != dtype:
-                    raise ValueError(
-                        f"Pipeline {self.name!r}: every non-trainable stage weight must have "
-                        f"one dtype ({dtype}), as they share one buffer. Received: {v.path} "
-                        f"of dtype {v.dtype}"
-                    )
-                size = int(np.prod(v.shape))
-                entries.append((tuple(v.shape), offset, size))
-                offset += size
+            entries, offset, dtype = self._flat_layout(
+                stage.non_trainable_variables, dtype, "non-trainable stage weight"
+            )
             self._state_layout.append((entries, offset))
             # The unsplit model's weight order (Keras's `stage.weights`):
             # ("t", k) the k-th trainable, ("n", k) the k-th non-trainable.

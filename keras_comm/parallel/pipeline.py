@@ -236,19 +236,8 @@ class Pipeline(StageBuffer, _common.ParallelLayer):
                     "the stage's state buffer holds float state (moving statistics, "
                     f"averaged over the stage's replicas) only. Received: {bad}"
                 )
-            entries, offset = [], 0
             self._weight_shards.append([self._check_stage_weight(s, v) for v in stage.trainable_variables])
-            for v in stage.trainable_variables:
-                if dtype is None:
-                    dtype = v.dtype
-                if v.dtype != dtype:
-                    raise ValueError(
-                        f"Pipeline {self.name!r}: every stage weight must have one dtype "
-                        f"({dtype}), as they share one buffer. Received: {v.path} of dtype {v.dtype}"
-                    )
-                size = int(np.prod(v.shape))
-                entries.append((tuple(v.shape), offset, size))
-                offset += size
+            entries, offset, dtype = self._flat_layout(stage.trainable_variables, dtype, "stage weight")
             self._layout.append((entries, offset))
         self._weight_dtype = dtype or "float32"
         self._build_state_layout()
