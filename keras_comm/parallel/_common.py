@@ -1,13 +1,9 @@
 """The base of the model-parallel layers: mesh, axis, seed, timeout, checkpoints.
 
-The batch convention of every layer here: under `model.fit` each replica
-holds its own slice of the global batch (data parallel), while a
-tensor-parallel layer needs the same input on all members of its model
-group. So a layer entering a model-parallel region all-gathers the batch over
-the group (each member then computes its shard for the group's samples), and
-the layer leaving it reduce-scatters along the batch (each member keeps the
-rows of its own samples). Plain Keras layers before and after see ordinary
-per-replica batches; members of one group must hold equally many samples.
+Every layer derived from `ParallelLayer` follows the batch convention of
+`keras_comm.parallel._collectives` (each replica holds its own samples
+outside a model-parallel region) and saves its sharded weights full-size
+(`keras_comm.parallel._checkpoint`).
 """
 
 import keras
