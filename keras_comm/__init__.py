@@ -5,6 +5,10 @@ functions (`keras_comm.ops`) with exact backward rules, running on
 `tf.distribute.MultiWorkerMirroredStrategy` collectives. Importing the
 package also applies `keras_comm.compat`, which makes Keras 3's `model.fit`
 work (exactly) under that strategy.
+
+Settings live in `keras_comm.config` (as Keras's do in `keras.config`):
+`keras_comm.config.set_timeout(60)`. The same functions are importable from
+the package itself (`keras_comm.set_timeout`), the names they had first.
 """
 
 import warnings as _warnings
@@ -18,11 +22,13 @@ if not _compat.apply():
     _warnings.warn(_compat.unsupported_message(), stacklevel=2)
 
 from keras_comm import callbacks  # noqa: E402
+from keras_comm import config  # noqa: E402
 from keras_comm import errors  # noqa: E402
 from keras_comm import layers  # noqa: E402
 from keras_comm import ops  # noqa: E402
 from keras_comm import parallel  # noqa: E402
 from keras_comm import watchdog  # noqa: E402
+# The settings' first names (see the module docstring).
 from keras_comm.config import communication_options  # noqa: E402
 from keras_comm.config import get_check_calls  # noqa: E402
 from keras_comm.config import get_gradient_bucket_bytes  # noqa: E402
@@ -39,18 +45,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Group",
     "callbacks",
-    "communication_options",
+    "config",
     "errors",
-    "get_check_calls",
-    "get_gradient_bucket_bytes",
-    "get_timeout",
     "layers",
     "ops",
     "parallel",
     "rank",
-    "set_check_calls",
-    "set_gradient_bucket_bytes",
-    "set_timeout",
     "watchdog",
     "world_size",
 ]

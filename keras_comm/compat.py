@@ -181,7 +181,7 @@ def apply():
     # fit/evaluate: finished epochs' iterators released off the host, joined
     # before the call returns (training.step.releasing_iterators).
     keras_api.install_trainer_wrappers(step.releasing_iterators)
-    # Under MWMS one tf.data iterator per epoch, not two (issue 18).
+    # Under MWMS one tf.data iterator per epoch, not two.
     keras_api.install_epoch_iterator(step.one_iterator_per_epoch)
     # Sharded optimizer slots saved full-size: keras_comm.parallel._checkpoint.
     from keras_comm.parallel import _checkpoint

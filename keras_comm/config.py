@@ -26,6 +26,16 @@ All are read when the training function (or collective) is traced: set them
 the same way on every worker, before building the training function.
 """
 
+__all__ = [
+    "communication_options",
+    "get_check_calls",
+    "get_gradient_bucket_bytes",
+    "get_timeout",
+    "set_check_calls",
+    "set_gradient_bucket_bytes",
+    "set_timeout",
+]
+
 import threading
 
 from keras_comm import _validation
@@ -97,7 +107,7 @@ def set_check_calls(enabled):
         _check_calls = enabled
 
 
-#: Measured faster than one pack on 2 CPU workers (docs/performance.md).
+#: The default bucket size; docs/performance.md ("Gradient buckets") compares sizes.
 DEFAULT_GRADIENT_BUCKET_BYTES = 8 << 20
 _gradient_bucket_bytes = DEFAULT_GRADIENT_BUCKET_BYTES
 
@@ -121,9 +131,8 @@ def set_gradient_bucket_bytes(nbytes):
     gradients exist. The sums are the same numbers either way: every
     element is summed over the same replicas (on more than 2 replicas the
     ring's chunks, hence the round-off, may differ). A model whose
-    gradients total less than `nbytes` gets one bucket: one pack. Measured
-    faster than one pack on 2 CPU workers under load: see
-    docs/performance.md ("Gradient buckets").
+    gradients total less than `nbytes` gets one bucket: one pack. See
+    docs/performance.md ("Gradient buckets") for how bucket sizes compare.
 
     Variables with their own reduction (`mark_gradient_reduced`, sharded
     weights) are not bucketed. `ParallelOptimizer` has its own buckets.

@@ -82,8 +82,9 @@ class Watch:
         strategy: the model's strategy.
         fit_code: the code object of the running `fit` (a SIGTERM outside it,
             e.g. after `fit` raised, goes to the previous handler at once).
-        store: the key-value store (tests pass a fake); None for TensorFlow's.
-        task: this worker's index; num_workers: how many there are (tests).
+        store: the key-value store; None for TensorFlow's coordination service.
+        task: this worker's index; num_workers: how many there are (None:
+            from the strategy).
     """
 
     def __init__(self, strategy, fit_code=None, store=None, task=None, num_workers=None):

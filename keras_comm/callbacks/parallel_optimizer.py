@@ -9,11 +9,12 @@ import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm import topology
+from keras_comm.parallel import fully_sharded
 from keras_comm.training import accumulate
-from keras_comm.training import reduction
-from keras_comm.training import sharded_state
-from keras_comm.training import sharding
+from keras_comm.training import optimizer_shards
+from keras_comm.training import accumulate_plan
 from keras_comm.training import step
+from keras_comm.variables import annotations
 
 logger = logging.getLogger("keras_comm")
 
@@ -175,6 +176,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
         self.mean = mean
         self.dump_local_norm = dump_local_norm
         self._engine = None
+        self._windowed = ()
         self._original_train_function = None
         self._functions = None
         self._pending = 0
@@ -261,7 +263,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             )
         if model.optimizer is None:
             raise ValueError("ParallelOptimizer needs a compiled model. Received: optimizer=None")
-        _, inner = sharded_state.user_optimizers(model.optimizer)
+        _, inner = optimizer_shards.user_optimizers(model.optimizer)
         if getattr(inner, "gradient_accumulation_steps", None):
             raise ValueError(
                 "Use ParallelOptimizer(accumulation_steps=...) instead of the "
@@ -273,7 +275,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             raise ValueError(
                 "ParallelOptimizer does not support optimizer EMA. Received: use_ema=True"
             )
-        hooked = any(reduction.gradient_hook(v) is not None for v in model.trainable_variables)
+        hooked = any(annotations.gradient_hook(v) is not None for v in model.trainable_variables)
         if (self.zero_stage >= 1 or hooked) and strategy.num_replicas_in_sync > 1:
             for name in ("clipnorm", "global_clipnorm"):
                 if getattr(inner, name, None):
@@ -283,11 +285,49 @@ class ParallelOptimizer(keras.callbacks.Callback):
                         f"clipvalue or zero_stage=0. Received: {name}={getattr(inner, name)}"
                     )
 
+    def _local_accumulation_layers(self, model):
+        """`FullyShard` layers with accumulation="local": each reduce-scatters
+        on its own every k-th backward, so this callback's updates must fall
+        on those backwards (checked here, before the first step)."""
+        layers = [
+            layer
+            for layer in fully_sharded.fully_sharded_layers(model)
+            if layer.accumulation is fully_sharded.Accumulation.LOCAL and layer.accumulation_steps > 1
+        ]
+        steps = self.params.get("steps") if self.params else None
+        for layer in layers:
+            k = layer.accumulation_steps
+            prefix = (
+                f"FullyShard {layer.name!r}: accumulation='local' with "
+                f"accumulation_steps={k} reduce-scatters once every {k} backward passes, so"
+            )
+            if self.accumulation_steps != k:
+                raise ValueError(
+                    f"{prefix} `accumulation_steps` must equal ParallelOptimizer's. "
+                    f"Received: accumulation_steps={k}, "
+                    f"ParallelOptimizer(accumulation_steps={self.accumulation_steps})"
+                )
+            # An epoch's last, partial window is applied early (and, when the
+            # epoch's length is unknown, flushed without a backward): either
+            # would be out of step with the layer.
+            if steps is None or int(steps) % k:
+                raise ValueError(
+                    f"{prefix} each epoch's number of batches must be a known "
+                    f"multiple of {k} (ParallelOptimizer applies an epoch's last, "
+                    "partial window early, out of step with the layer; use "
+                    "steps_per_epoch, drop the remainder, or accumulation="
+                    f"'sharded'). Received: batches per epoch={steps}"
+                )
+        return layers
+
     # --- fit hooks --------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         model = self.model
         self._validate(model)
+        self._windowed = self._local_accumulation_layers(model)
+        for layer in self._windowed:
+            layer.set_accumulation_window(self.accumulation_steps)
         engine = _ENGINES.get(model)
         if engine is None or not engine.matches(
             model, self.zero_stage, self.accumulation_steps, self.dump_local_norm
@@ -352,11 +392,11 @@ class ParallelOptimizer(keras.callbacks.Callback):
             self._take_slots()
             self._needs_reshard = False
         steps = self.params.get("steps") if self.params else None
-        if self._functions["micro"] is None or sharding.is_apply_step(
+        if self._functions["micro"] is None or accumulate_plan.is_apply_step(
             self._pending, self.accumulation_steps, self._step_in_epoch, steps
         ):
             self._engine.state.set_scale(
-                sharding.accumulation_scale(self._pending + 1, self.mean)
+                accumulate_plan.accumulation_scale(self._pending + 1, self.mean)
             )
             logs = self._functions["apply"](iterator)
             self._engine.state.release_masters()
@@ -382,19 +422,16 @@ class ParallelOptimizer(keras.callbacks.Callback):
         state = self._engine.state
         if not state.owns_slots:
             self._engine.take_user_slots()
-        # Imported here: keras_comm.parallel imports keras_comm.training.
-        from keras_comm.parallel import _checkpoint
-
         if self._engine.external is None:
             self._engine.external = accumulate.ExternalSlots(self._engine)
         store = self._engine.external
-        for opt in sharded_state.user_optimizers(self.model.optimizer):
+        for opt in optimizer_shards.user_optimizers(self.model.optimizer):
             if opt is not None:
-                _checkpoint.register_external_slots(opt, store)
+                annotations.register_external_slots(opt, store)
 
     def _flush(self):
         if self._pending and self._functions and self._functions["flush"] is not None:
-            self._engine.state.set_scale(sharding.accumulation_scale(self._pending, self.mean))
+            self._engine.state.set_scale(accumulate_plan.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
             self._engine.state.release_masters()
             self._pending = 0
@@ -417,4 +454,7 @@ class ParallelOptimizer(keras.callbacks.Callback):
             self.model.train_function = self._original_train_function
         if self.model is not None and _ACTIVE.get(self.model) is self:
             del _ACTIVE[self.model]
+        for layer in self._windowed:
+            layer.set_accumulation_window(None)
+        self._windowed = ()
         self._functions = None

@@ -274,8 +274,8 @@ def _statically_empty(x):
 
     TensorFlow's CPU collectives crash the process (SIGSEGV) on some empty
     inputs -- a broadcast of a [0] tensor between 2 in-process replicas
-    every time, eager all-reduces intermittently (found by
-    tests/test_fuzz_replicas.py) -- so no collective is launched for them.
+    every time, eager all-reduces intermittently -- so no collective is
+    launched for them.
     The decision depends on the static shape only, so members that agree
     on the shape all skip, and keep drawing the same instance keys.
     """
@@ -315,6 +315,15 @@ def _ordered(call, kind, launch, **attrs):
         )
 
 
+def _unfused(kind, x, call, op):
+    """Issues collective `kind` of `x` now: how `_fusion` sends a packed bucket."""
+    if kind == "all_gather":
+        return all_gather(x, call)
+    if kind == "reduce_scatter":
+        return reduce_scatter(x, call)
+    return all_reduce(x, call, op)
+
+
 def all_reduce(x, call, op="sum", fusion=0):
     """Elementwise reduction of `x` over the group; every member gets it.
 
@@ -322,7 +331,7 @@ def all_reduce(x, call, op="sum", fusion=0):
     reduction is deferred and packed with the other members of that fusion
     group; see `keras_comm.ops._fusion`.
     """
-    deferred = _fusion.defer(x, call, op, fusion) if fusion else None
+    deferred = _fusion.defer(x, call, op, fusion, "all_reduce", _unfused) if fusion else None
     if deferred is not None:
         return deferred
     return _ordered(
@@ -340,7 +349,7 @@ def all_gather(x, call, fusion=0):
 
     ``fusion > 0`` defers and packs it as `all_reduce` does.
     """
-    deferred = _fusion.defer(x, call, None, fusion, "all_gather") if fusion else None
+    deferred = _fusion.defer(x, call, None, fusion, "all_gather", _unfused) if fusion else None
     if deferred is not None:
         return deferred
     return _ordered(call, "all_gather", tf_api.all_gather_v2, t=x)
@@ -369,7 +378,7 @@ def reduce_scatter(x, call, fusion=0):
     member sends and receives (n-1)/n of `x`, the same bytes as a ring
     reduce-scatter and half an all-reduce's.
     """
-    deferred = _fusion.defer(x, call, "sum", fusion, "reduce_scatter") if fusion else None
+    deferred = _fusion.defer(x, call, "sum", fusion, "reduce_scatter", _unfused) if fusion else None
     if deferred is not None:
         return deferred
     if has_native_reduce_scatter(call.device):

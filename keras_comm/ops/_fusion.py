@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from keras_comm import config
 from keras_comm._private import tf_api
+from keras_comm.variables import packing
 
 _SCOPE_ATTR = "_keras_comm_fusion_scope"
 _lock = threading.RLock()
@@ -64,13 +65,14 @@ def validate_fusion(fusion, name="fusion"):
 class _Bucket:
     """The deferred members of one fusion group on one device."""
 
-    __slots__ = ("fusion", "call", "op", "kind", "inputs", "stand_ins", "names")
+    __slots__ = ("fusion", "call", "op", "kind", "launch", "inputs", "stand_ins", "names")
 
-    def __init__(self, fusion, call, op, kind):
+    def __init__(self, fusion, call, op, kind, launch):
         self.fusion = fusion
         self.call = call
         self.op = op
         self.kind = kind
+        self.launch = launch
         self.inputs = []
         self.stand_ins = []
         self.names = []
@@ -165,12 +167,14 @@ def _stand_in_value(x, call, kind):
     return x
 
 
-def defer(x, call, op, fusion, kind="all_reduce"):
+def defer(x, call, op, fusion, kind, launch):
     """The collective `kind` of `x` as a deferred member of group `fusion`.
 
     `op` is the reduction ("sum" for reduce-scatter, None for all-gather).
-    Returns a stand-in for the result, or None when this call cannot be
-    deferred (the caller then issues the collective itself).
+    `launch(kind, packed, call, op)` issues the bucket's one collective when
+    the scope flushes it (the primitives pass theirs in: this module sits
+    below them). Returns a stand-in for the result, or None when this call
+    cannot be deferred (the caller then issues the collective itself).
     """
     if not fusion or call.symbolic or tf.executing_eagerly() or config.get_check_calls():
         return None
@@ -183,7 +187,7 @@ def defer(x, call, op, fusion, kind="all_reduce"):
     with _lock:
         bucket = scope.buckets.get(key)
         if bucket is None:
-            bucket = scope.buckets[key] = _Bucket(fusion, call, op, kind)
+            bucket = scope.buckets[key] = _Bucket(fusion, call, op, kind, launch)
         with tf.device(call.device):
             stand_in = tf.identity(_stand_in_value(x, call, kind), name="fusion_pending")
         bucket.inputs.append(x)
@@ -242,8 +246,6 @@ def _keys_reached(scope, tensors):
 
 def _flush(scope, keys):
     """Issues one all-reduce per bucket in `keys` and rewires its stand-ins."""
-    from keras_comm.ops import _collective  # pylint: disable=import-outside-toplevel
-
     for key in keys:
         with _lock:
             bucket = scope.buckets.pop(key, None)
@@ -253,79 +255,28 @@ def _flush(scope, keys):
                 del scope.stand_in_ops[stand_in.op]
             if not scope.stand_in_ops:
                 scope.first_id = None
-        call = _collective.Call(
+        call = type(bucket.call)(
             bucket.call.replica,
             bucket.call.group,
             bucket.call.timeout,
             _packed_name(bucket),
         )
+
+        def launch(t, bucket=bucket, call=call):
+            return bucket.launch(bucket.kind, t, call, bucket.op)
+
         # Built outside any caller's control-dependency block and tape: the
         # packed op depends on its inputs only, and is never differentiated
         # (each member's gradient is its own custom_gradient).
         with tf.control_dependencies(None), tf_api.stop_recording(), tf.device(call.device):
             if bucket.kind == "all_gather":
-                results = packed_gather(
-                    bucket.inputs, lambda t: _collective.all_gather(t, call), call.size
-                )
+                results = packing.packed_gather(bucket.inputs, launch, call.size)
             elif bucket.kind == "reduce_scatter":
-                results = packed_scatter(
-                    bucket.inputs, lambda t: _collective.reduce_scatter(t, call), call.size
-                )
+                results = packing.packed_scatter(bucket.inputs, launch, call.size)
             else:
-                results = packed(
-                    bucket.inputs, lambda t: _collective.all_reduce(t, call, bucket.op)
-                )
+                results = packing.packed(bucket.inputs, launch)
         for stand_in, result in zip(bucket.stand_ins, results):
             tf_api.rewire_input(stand_in.op, 0, result)
-
-
-def packed(values, reduce):
-    """``reduce`` applied once to all `values` (one dtype), split back.
-
-    One value is reduced as is; several are flattened and concatenated,
-    reduced, and each slice reshaped to its value's shape.
-    """
-    if len(values) == 1:
-        return [reduce(values[0])]
-    flat = reduce(tf.concat([tf.reshape(v, [-1]) for v in values], 0))
-    pieces = tf.split(flat, [tf.size(v) for v in values])
-    return [tf.reshape(p, tf.shape(v)) for p, v in zip(pieces, values)]
-
-
-def packed_gather(values, gather, n):
-    """``gather`` (an all-gather over n members) applied once to all `values`.
-
-    Member m's block of the gathered vector is the concatenation of its
-    flattened values; value i's result is every member's piece i, stacked
-    along axis 0 in member order, which is what gathering it alone gives.
-    """
-    if len(values) == 1:
-        return [gather(values[0])]
-    sizes = [tf.size(v) for v in values]
-    flat = gather(tf.concat([tf.reshape(v, [-1]) for v in values], 0))
-    blocks = tf.split(tf.reshape(flat, [n, -1]), sizes, axis=1)
-    return [
-        tf.reshape(b, tf.concat([[n * tf.shape(v)[0]], tf.shape(v)[1:]], 0))
-        for b, v in zip(blocks, values)
-    ]
-
-
-def packed_scatter(values, scatter, n):
-    """``scatter`` (a reduce-scatter SUM over n members) applied once to all `values`.
-
-    Each value is laid out as ``[n, rest]`` (row m: the slice member m
-    keeps); the rows are concatenated across values, so member m's slice of
-    the packed vector holds its slice of every value.
-    """
-    if len(values) == 1:
-        return [scatter(values[0])]
-    rows = [tf.reshape(v, [n, -1]) for v in values]
-    mine = scatter(tf.reshape(tf.concat(rows, 1), [-1]))
-    pieces = tf.split(mine, [tf.shape(r)[1] for r in rows])
-    return [
-        tf.reshape(p, tf.concat([[tf.shape(v)[0] // n], tf.shape(v)[1:]], 0))
-        for p, v in zip(pieces, values)
-    ]
 
 
 def _packed_name(bucket):

@@ -11,6 +11,7 @@ from keras_comm.ops import _collective
 from keras_comm.ops import _differentiable as D
 from keras_comm.ops import _fusion
 from keras_comm.ops.reduce_op import ReduceOp
+from keras_comm.variables import packing
 
 
 def all_gather_indexed_slices(slices, call):
@@ -120,7 +121,7 @@ def _fused(values, op, call, what, fusion=0):
             for i in idxs:
                 out[i] = tf.identity(values[i])
             continue
-        reduced = _fusion.packed(
+        reduced = packing.packed(
             [values[i] for i in idxs], lambda t: _all_reduce_dense(t, op, call, fusion)
         )
         for i, r in zip(idxs, reduced):

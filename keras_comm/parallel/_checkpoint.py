@@ -17,8 +17,8 @@ read back as the loading replica's slice:
 So a file holds exactly what an unsplit model holds: the same model built
 without a strategy (one shard per weight) loads it, and a cluster of another
 size loads it as long as its group sizes divide the split dimensions. A
-file holding one shard (written per worker by keras_comm 0.1 before this
-format) is refused with an error rather than loaded into every replica.
+file holding one shard per weight is refused with an error rather than
+loaded into every replica.
 
 `ParallelLayer` calls `save_layer` / `load_layer`; `apply` installs the
 optimizer side on Keras's TensorFlow optimizer (called by
@@ -26,8 +26,8 @@ optimizer side on Keras's TensorFlow optimizer (called by
 
 An optimizer whose slots live elsewhere (`ParallelOptimizer` keeps them as
 1/N shards and releases the optimizer's own, see
-`keras_comm.training.sharded_state`) registers an external store with
-`register_external_slots`: a save writes each variable it owns as its
+`keras_comm.training.optimizer_shards`) registers an external store with
+`keras_comm.variables.annotations.register_external_slots`: a save writes each variable it owns as its
 ``value(variable)`` (full size, asked one variable at a time) and a load
 hands it ``assign(variable, full_value)``. The file is the same.
 """
@@ -38,26 +38,18 @@ import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
-from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import _collectives
+from keras_comm.parallel import sharded_weights
+from keras_comm.variables import annotations
 
 # Per owner (layer or optimizer): (variables' ids, compiled gather function).
 _GATHERS = weakref.WeakKeyDictionary()
 _ORIGINALS_ATTR = "_keras_comm_checkpoint_originals"
-# Per optimizer: the external store of some of its variables (see above).
-_EXTERNAL = weakref.WeakKeyDictionary()
-
-
-def register_external_slots(optimizer, store):
-    """Saves and loads the variables `store.owns` through `store` (None: stop)."""
-    if store is None:
-        _EXTERNAL.pop(optimizer, None)
-    else:
-        _EXTERNAL[optimizer] = store
+register_external_slots = annotations.register_external_slots
 
 
 def _external_flags(optimizer):
-    store = _EXTERNAL.get(optimizer)
+    store = annotations.external_slots(optimizer)
     if store is None:
         return None, [False] * len(optimizer.variables)
     return store, [store.owns(v) for v in optimizer.variables]
@@ -75,18 +67,18 @@ def _gather(owner, pairs):
     A collective over every replica when any variable is split: all workers
     must call it with the same variables, in the same order.
     """
-    strategy = sharded._strategy_of([v for v, _ in pairs])
+    strategy = sharded_weights.strategy_of([v for v, _ in pairs])
     if not _needs_gather(pairs, strategy):
         return [_to_full(s, v.numpy()) for v, s in pairs]
     sharded_pairs = [(v, s) for v, s in pairs if s is not None and s.num_shards > 1]
-    key = tuple(id(sharded._tf_variable(v)) for v, _ in sharded_pairs)
+    key = tuple(id(keras_api.tf_variable(v)) for v, _ in sharded_pairs)
     cached = _GATHERS.get(owner)
     if cached is None or cached[0] != key:
 
         def replica_fn():
             return [
-                _common.gather_along(
-                    tf.convert_to_tensor(sharded._tf_variable(v)),
+                _collectives.gather_along(
+                    tf.convert_to_tensor(keras_api.tf_variable(v)),
                     s.shard_axis,
                     s.model_group(),
                     name="checkpoint_gather",
@@ -123,11 +115,10 @@ def _assign(variable, spec, value, owner_name):
         hint = ""
         if tuple(value.shape) == spec.shard_shape:
             hint = (
-                " The file holds one shard: it was written per worker by an "
-                "older keras_comm. Files now hold full-size weights: save them "
-                "again from the cluster that wrote them (every worker calling "
-                "save) or assign the shards with "
-                "`keras_comm.parallel.assign_process_shards`."
+                " The file holds one shard (written per worker). Files hold "
+                "full-size weights: save them again from the cluster that "
+                "wrote them (every worker calling save) or assign the shards "
+                "with `keras_comm.parallel.assign_process_shards`."
             )
         raise ValueError(
             f"{owner_name}: variable {variable.path!r} is split into "
@@ -135,10 +126,10 @@ def _assign(variable, spec, value, owner_name):
             f"{spec.full_shape}, and a file must hold the full weight.{hint} "
             f"Received: value of shape {tuple(value.shape)}"
         )
-    comps = sharded._components(variable)
-    strategy = sharded._strategy_of([variable])
+    comps = sharded_weights.components(variable)
+    strategy = sharded_weights.strategy_of([variable])
     with tf.init_scope(), strategy.scope():
-        for rank, comp in zip(sharded._local_ranks(len(comps), strategy), comps):
+        for rank, comp in zip(sharded_weights.local_ranks(len(comps), strategy), comps):
             comp.assign(tf.cast(spec.slice(value, spec.shard_index(rank)), comp.dtype))
 
 
@@ -150,7 +141,7 @@ def _layer_variables(layer):
 def save_layer(layer, store):
     """`Layer.save_own_variables` for layers with sharded weights."""
     variables = _layer_variables(layer)
-    pairs = [(v, sharded.shard_spec(v)) for v in variables]
+    pairs = [(v, sharded_weights.shard_spec(v)) for v in variables]
     for i, value in enumerate(_gather(layer, pairs)):
         store[str(i)] = value
 
@@ -166,7 +157,7 @@ def load_layer(layer, store):
             f"{len(store.keys())} saved variables"
         )
     for i, v in enumerate(variables):
-        _assign(v, sharded.shard_spec(v), store[str(i)], f"Layer {layer.name!r}")
+        _assign(v, sharded_weights.shard_spec(v), store[str(i)], f"Layer {layer.name!r}")
 
 
 def optimizer_slot_specs(optimizer):
@@ -181,9 +172,9 @@ def optimizer_slot_specs(optimizer):
         if opt is not None:
             references += list(getattr(opt, "_trainable_variables", []))
     prefixes = [
-        (v.path.replace("/", "_") + "_", sharded.shard_spec(v))
+        (v.path.replace("/", "_") + "_", sharded_weights.shard_spec(v))
         for v in references
-        if sharded.is_sharded(v)
+        if sharded_weights.is_sharded(v)
     ]
     specs = []
     for variable in optimizer.variables:

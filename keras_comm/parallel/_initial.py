@@ -5,12 +5,13 @@ alike everywhere by broadcasting worker 0's initial value when the variable
 is created. keras_comm's per-replica weights (tensor-parallel shards,
 `FullyShard`'s flat shards, a `Pipeline`'s stage buffer) are written after
 creation, each replica its own slice of a full value, so that broadcast does
-not reach them. They used to compute the full value on every worker from a
-seed derived from the weight's path; a path holds Keras's automatic layer
-names ("dense_7"), which count the layers the *process* made before, so a
-chief that first built another model (an evaluation copy, a reference) drew
-other values than the other workers, and replicas holding the same shard
-started -- and, their gradients being summed, stayed -- different.
+not reach them. A full value computed on every worker from a seed derived
+from the weight's path would not do either: a path holds Keras's automatic
+layer names ("dense_7"), which count the layers the *process* made before,
+so a chief that first built another model (an evaluation copy, a reference)
+would draw other values than the other workers, and replicas holding the
+same shard would start -- and, their gradients being summed, stay --
+different.
 
 `chief_value` does for those full values what MWMS does for mirrored ones:
 worker 0 computes the value, one broadcast per weight sends it to every

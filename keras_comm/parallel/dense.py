@@ -9,11 +9,11 @@ hidden activations stay split and the pair communicates once on the way in
 """
 
 import keras
-import tensorflow as tf
 
 from keras_comm import _validation
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -89,27 +89,27 @@ class ColumnParallelDense(_common.ParallelLayer):
     def build(self, input_shape):
         self.split_size(self.units, "units", built=True)
         in_dim = int(input_shape[-1])
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 1, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            self.bias = sharded.add_sharded_weight(
+            self.bias = sharded_weights.add_sharded_weight(
                 self, "bias", (self.units,), 0, self.mesh, self.axis,
                 self.bias_initializer, self.weight_seed(1),
             )
 
     def call(self, inputs):
         group = self.group()
-        x = _common.gather_batch(inputs, group, self.name, self.timeout)
+        x = _collectives.gather_batch(inputs, group, self.name, self.timeout)
         y = keras.ops.matmul(x, self.kernel)
         if self.bias is not None:
             y = y + self.bias
         y = self.activation(y)
         if self.gather_output:
-            y = _common.gather_along(y, len(y.shape) - 1, group, self.name, self.timeout)
-            y = _common.own_rows(y, group)
+            y = _collectives.gather_along(y, len(y.shape) - 1, group, self.name, self.timeout)
+            y = _collectives.own_rows(y, group)
         return y
 
     def compute_output_shape(self, input_shape):
@@ -193,25 +193,25 @@ class RowParallelDense(_common.ParallelLayer):
             in_dim *= n
         else:
             self.split_size(in_dim, "input_dim", built=True)
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (in_dim, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            init = sharded._seeded(self.bias_initializer, self.weight_seed(1) or 0)
+            init = sharded_weights.seeded_initializer(self.bias_initializer, self.weight_seed(1) or 0)
             self.bias = self.add_weight(name="bias", shape=(self.units,), initializer=init)
 
     def call(self, inputs):
         group = self.group()
         x = inputs
         if not self.input_is_parallel and group.size > 1:
-            x = _common.gather_batch(x, group, self.name, self.timeout)
+            x = _collectives.gather_batch(x, group, self.name, self.timeout)
             width = x.shape[-1] // group.size
-            k = group.index(_common.my_rank())
+            k = group.index(_collectives.my_rank())
             x = x[..., k * width : (k + 1) * width]
         y = keras.ops.matmul(x, self.kernel)
-        y = _common.scatter_batch_sum(y, group, self.name, self.timeout)
+        y = _collectives.scatter_batch_sum(y, group, self.name, self.timeout)
         if self.bias is not None:
             y = y + self.bias
         return self.activation(y)
@@ -222,7 +222,7 @@ class RowParallelDense(_common.ParallelLayer):
             # The input is 1/n of the full input dim for the group size n at
             # build; record the full dim so a model saved by one cluster size
             # is rebuilt (`keras.models.load_model`) in another.
-            config["full_input_dim"] = sharded.shard_spec(self.kernel).full_shape[0]
+            config["full_input_dim"] = sharded_weights.shard_spec(self.kernel).full_shape[0]
         return config
 
     def build_from_config(self, config):

@@ -4,8 +4,9 @@ import keras
 import tensorflow as tf
 
 from keras_comm import _validation
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 @keras.saving.register_keras_serializable(package="keras_comm")
@@ -51,7 +52,7 @@ class ParallelEmbedding(_common.ParallelLayer):
 
     def build(self, input_shape):
         self.split_size(self.input_dim, "input_dim", built=True)
-        self.embeddings = sharded.add_sharded_weight(
+        self.embeddings = sharded_weights.add_sharded_weight(
             self, "embeddings", (self.input_dim, self.output_dim), 0, self.mesh,
             self.axis, self.embeddings_initializer, self.weight_seed(0),
         )
@@ -59,14 +60,14 @@ class ParallelEmbedding(_common.ParallelLayer):
     def call(self, inputs):
         group = self.group()
         ids = tf.cast(inputs, tf.int32)
-        ids = _common.gather_batch(ids, group, self.name, self.timeout)
+        ids = _collectives.gather_batch(ids, group, self.name, self.timeout)
         rows = self.input_dim // group.size
-        local = ids - group.index(_common.my_rank()) * rows
+        local = ids - group.index(_collectives.my_rank()) * rows
         mine = tf.logical_and(local >= 0, local < rows)
         table = tf.convert_to_tensor(self.embeddings)
         out = tf.gather(table, tf.where(mine, local, tf.zeros_like(local)))
         out = out * tf.cast(mine, out.dtype)[..., None]
-        return _common.scatter_batch_sum(out, group, self.name, self.timeout)
+        return _collectives.scatter_batch_sum(out, group, self.name, self.timeout)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.output_dim,)

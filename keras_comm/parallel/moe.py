@@ -8,8 +8,9 @@ import tensorflow as tf
 
 from keras_comm import _validation
 from keras_comm import ops
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
-from keras_comm.parallel import sharded
+from keras_comm.parallel import sharded_weights
 
 
 def capacity(num_tokens, num_experts, top_k, capacity_factor):
@@ -136,15 +137,15 @@ class MixtureOfExperts(_common.ParallelLayer):
         self.router = self.add_weight(
             name="router",
             shape=(d, self.num_experts),
-            initializer=sharded._seeded(self.router_initializer, self.weight_seed(2) or 0),
+            initializer=sharded_weights.seeded_initializer(self.router_initializer, self.weight_seed(2) or 0),
         )
-        self.kernel = sharded.add_sharded_weight(
+        self.kernel = sharded_weights.add_sharded_weight(
             self, "kernel", (self.num_experts, d, self.units), 0, self.mesh, self.axis,
             self.kernel_initializer, self.weight_seed(0),
         )
         self.bias = None
         if self.use_bias:
-            self.bias = sharded.add_sharded_weight(
+            self.bias = sharded_weights.add_sharded_weight(
                 self, "bias", (self.num_experts, self.units), 0, self.mesh, self.axis,
                 self.bias_initializer, self.weight_seed(1),
             )
@@ -170,7 +171,7 @@ class MixtureOfExperts(_common.ParallelLayer):
         return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [self.units]], 0))
 
     def _exchange(self, x, group):
-        if group.size == 1 or _common.shape_only():
+        if group.size == 1 or _collectives.shape_only():
             return x
         return ops.all_to_all(
             x, group.size, 0, 0, group=group, timeout=self.timeout, name=self.name

@@ -5,7 +5,7 @@ The replica steps `ParallelOptimizer` compiles through
 
 1. `forward` (`keras_comm.training.replicated.forward`): this replica's
    gradients, float32, zeros for None.
-2. `_contribution`: packed shard-major (`keras_comm.training.sharding`);
+2. `_contribution`: packed shard-major (`keras_comm.training.accumulate_plan`);
    zero_stage 2 reduce-scatters it at once. A micro step adds it to the
    accumulation buffer and stops there.
 3. `_update` (apply step, or flush at an epoch end): the accumulated sum
@@ -13,18 +13,18 @@ The replica steps `ParallelOptimizer` compiles through
    (zero_stage 1) or already done (zero_stage 2) -- scaled by 1/k for a mean
    over k micro-batches; hooked variables through their own reduction
    (`keras_comm.training.reduction`), group-sharded ones (a pipeline stage
-   buffer under zero_stage >= 1, see `sharded_state`) reduce-scattered over
+   buffer under zero_stage >= 1, see `optimizer_shards`) reduce-scattered over
    their data group instead.
 4. `apply_update`: unscale and check the loss scale, clip, decay, and the
    optimizer maths on this replica's shard of the masters. No collectives.
 5. The full weights back on every replica (one all-gather when sharded).
 
-State (masters, slots, buffers) lives in `sharded_state.ShardedState`; the
+State (masters, slots, buffers) lives in `optimizer_shards.ShardedState`; the
 masters are filled at step 2 and released by the host after the update, and
 `ExternalSlots` serves the (released) user optimizer's slots to
 checkpoints.
-Collectives are keras_comm primitives named ``parallel_optimizer_*`` (tests
-count them in the traced graphs). Per update: zero_stage 0 one all-reduce of
+Collectives are keras_comm primitives named ``parallel_optimizer_*``, so a
+traced graph shows which are the callback's. Per update: zero_stage 0 one all-reduce of
 the packed gradient; zero_stage 1 one reduce-scatter plus one all-gather
 (together the bytes of one all-reduce); zero_stage 2 one reduce-scatter per
 micro-step plus one all-gather per update. Loss scaling with a sharded
@@ -35,17 +35,19 @@ import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
-from keras_comm.training import sharding
 from keras_comm.ops import _collective
 from keras_comm.training import nontrainable
 from keras_comm.training import pipeline
 from keras_comm.training import replicated
-from keras_comm.training import sharded_state
+from keras_comm.training import optimizer_shards
 from keras_comm.training import step
-from keras_comm.training.sharded_state import ShardedState
-from keras_comm.training.sharded_state import fill
-from keras_comm.training.sharded_state import local_variable
-from keras_comm.training.sharded_state import prod
+from keras_comm.training.optimizer_shards import ShardedState
+from keras_comm.training.optimizer_shards import fill
+from keras_comm.training.optimizer_shards import local_variable
+from keras_comm.training.optimizer_shards import prod
+from keras_comm.parallel import _collectives
+from keras_comm.variables import annotations
+from keras_comm.variables import packing
 
 COLLECTIVE_NAME = "parallel_optimizer"
 
@@ -203,7 +205,7 @@ class AccumulateStep:
         """What one micro-batch adds to the accumulation buffers:
         ``(plain or None, hooked or None, group-sharded or None)``.
 
-        Plain gradients are packed shard-major (`sharding.pack`) when they go
+        Plain gradients are packed shard-major (`packing.pack`) when they go
         into a buffer; zero_stage 2 reduce-scatters them at once, bucket by
         bucket. With nothing to accumulate into (`accumulate=False`, no
         buffer) zero_stage 0/1 return the list of gradients, which `_update`
@@ -224,7 +226,7 @@ class AccumulateStep:
                 )
                 packed = tf.concat(shards, 0)
             elif accumulate:
-                packed = sharding.pack(plain, s.layout, tf.float32)
+                packed = packing.pack(plain, s.layout, tf.float32)
             else:
                 packed = plain
         flat = None
@@ -234,7 +236,7 @@ class AccumulateStep:
         if s.grouped:
             pieces = []
             for k, (i, layout) in enumerate(zip(s.grouped_index, s.group_layouts)):
-                padded = sharding.flatten_padded(
+                padded = packing.flatten_padded(
                     grads[i], layout.sizes[0], layout.num_shards, tf.float32
                 )
                 if s.zero_stage == 2:
@@ -253,7 +255,7 @@ class AccumulateStep:
         lo, hi = bucket
         sub = s.layout.sub(lo, hi)
         if isinstance(contribution, list):
-            return sharding.pack(contribution[lo:hi], sub, tf.float32)
+            return packing.pack(contribution[lo:hi], sub, tf.float32)
         if (lo, hi) == (0, len(s.layout.sizes)):
             return contribution
         start = sum(s.layout.shard_sizes[:lo])
@@ -278,7 +280,7 @@ class AccumulateStep:
             # (the transient is a bucket's, not the model's): all-reduce
             # (zero_stage 0), reduce-scatter (1) or already reduced (2).
             if s.zero_stage == 2:
-                grads = sharding.split_shards(contribution * scale, s.layout)
+                grads = packing.split_shards(contribution * scale, s.layout)
             else:
 
                 def reduce(bucket):
@@ -291,7 +293,7 @@ class AccumulateStep:
                         total = _collective.run(
                             lambda: _collective.all_reduce(packed, call)
                         )
-                    return sharding.split_shards(total * scale, s.layout.sub(*bucket))
+                    return packing.split_shards(total * scale, s.layout.sub(*bucket))
 
                 # Last bucket first (see `_reversed`).
                 for shards in _reversed(s.buckets, reduce):
@@ -300,7 +302,7 @@ class AccumulateStep:
             # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
                 replica.masters,
-                sharding.local_shards(
+                packing.local_shards(
                     [v.value for v in s.variables], s.layout, shard_index, tf.float32
                 ),
             ):
@@ -337,7 +339,7 @@ class AccumulateStep:
                 index = gcall.group.index(gcall.replica.rank)
                 fill(
                     local_variable(master),
-                    sharding.local_shards(
+                    packing.local_shards(
                         [local_variable(v).read_value()], layout, index, tf.float32
                     )[0],
                 )
@@ -366,7 +368,7 @@ class AccumulateStep:
                     gathered = _collective.run(
                         lambda shards=shards: _collective.all_gather(shards, call)
                     )
-                    new = sharding.unpack(
+                    new = packing.unpack(
                         gathered, s.layout.sub(lo, hi), [v.shape for v in s.variables[lo:hi]]
                     )
                     for v, value in zip(s.variables[lo:hi], new):
@@ -380,7 +382,7 @@ class AccumulateStep:
             gathered = _collective.run(
                 lambda m=m, gcall=gcall: _collective.all_gather(m.value, gcall)
             )
-            _write(v, sharding.unpack(gathered, layout, [v.shape])[0])
+            _write(v, packing.unpack(gathered, layout, [v.shape])[0])
 
     def _apply(self, replica, grads):
         s = self.state
@@ -408,33 +410,33 @@ class AccumulateStep:
         s = self.state
         ranks = self.ranks()
         for k, user in enumerate(s.user_slots()):
-            components = sharded_state.local_components(user)
-            layout = sharding.Layout((prod(user.shape),), s.num_shards)
+            components = optimizer_shards.local_components(user)
+            layout = packing.Layout((prod(user.shape),), s.num_shards)
             for r, replica in enumerate(s.replicas):
                 slot = s.slot_pairs[r][0][k][0]
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
-                    piece = sharding.local_shards(
+                    piece = packing.local_shards(
                         [component.read_value()], layout, ranks[r], tf.float32
                     )[0]
                     # A copy: the slice shares the full slot's buffer, which
                     # would stay alive through it after the release.
                     fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))
-            sharded_state.release(user)
+            optimizer_shards.release(user)
         # Group-sharded: each replica's component is its own (a stage's);
         # its slot keeps the data-group shard of that component.
         for k, user in enumerate(s.grouped_user_slots()):
-            components = sharded_state.local_components(user)
+            components = optimizer_shards.local_components(user)
             for r, replica in enumerate(s.replicas):
                 slot, _, i = s.slot_pairs[r][2][k]
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     fill(local_variable(slot), tf.raw_ops.DeepCopy(
                         x=self._group_shard(i, ranks[r], component.read_value())))
-            sharded_state.release(user)
+            optimizer_shards.release(user)
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
-                components = sharded_state.local_components(user)
+                components = optimizer_shards.local_components(user)
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     fill(local_variable(slot), tf.reshape(component.read_value(), [-1]))
@@ -446,25 +448,22 @@ class AccumulateStep:
         s = self.state
         group = s.group_of[s.grouped_index.index(i)](rank)
         layout = s.group_layout_of(i)
-        return sharding.local_shards([full], layout, group.index(rank), tf.float32)[0]
+        return packing.local_shards([full], layout, group.index(rank), tf.float32)[0]
 
     def gather_group_slot(self, k, across_model=True):
         """Group-sharded slot pair `k`: this replica's whole slot (an
         all-gather over the data group), then, with `across_model`, gathered
         over the variable's `ShardSpec` model group (the other stages)."""
-        from keras_comm.parallel import _common  # keras_comm.parallel imports training
-        from keras_comm.parallel import sharded
-
         s = self.state
         slot, user, i = s.slot_pairs[s.current_index()][2][k]
         call = self._group_call(s.grouped_index.index(i))
         gathered = _collective.run(
             lambda: _collective.all_gather(tf.cast(slot.value, tf.float32), call)
         )
-        whole = sharding.unpack(gathered, s.group_layout_of(i), [user.shape])[0]
-        spec = sharded.shard_spec(s.all_variables[i])
+        whole = packing.unpack(gathered, s.group_layout_of(i), [user.shape])[0]
+        spec = annotations.shard_spec(s.all_variables[i])
         if across_model and spec is not None and spec.num_shards > 1:
-            whole = _common.gather_along(
+            whole = _collectives.gather_along(
                 whole, spec.shard_axis, spec.model_group(), name=COLLECTIVE_NAME
             )
         return tf.cast(whole, user.dtype)
@@ -475,7 +474,7 @@ class AccumulateStep:
         s = self.state
         for r, replica in enumerate(s.replicas):
             for slot, user, _ in s.slot_pairs[r][1]:
-                components = sharded_state.local_components(user)
+                components = optimizer_shards.local_components(user)
                 component = components[r if len(components) > 1 else 0]
                 with tf.device(replica.device):
                     component.assign(tf.cast(tf.reshape(slot.value, user.shape), component.dtype))
@@ -499,8 +498,8 @@ class AccumulateStep:
         call = self._call()
         if s.num_shards > 1 and not call.trivial:
             local = _collective.run(lambda: _collective.all_gather(local, call))
-        layout = sharding.Layout((prod(user.shape),), s.num_shards)
-        return tf.cast(sharding.unpack(local, layout, [user.shape])[0], user.dtype)
+        layout = packing.Layout((prod(user.shape),), s.num_shards)
+        return tf.cast(packing.unpack(local, layout, [user.shape])[0], user.dtype)
 
     def replica_rank(self):
         return tf.constant(self._call().replica.rank if self.state.num_shards > 1 else 0)
@@ -548,12 +547,10 @@ class ExternalSlots:
     def _group_value(self, variable):
         """The file's value of a group-sharded slot: the variable's full value
         (its `ShardSpec`'s, e.g. every stage's in the unsplit layout)."""
-        from keras_comm.parallel import sharded
-
         s = self.engine.state
         k = self._group_index[id(variable)]
         i = s.slot_pairs[0][2][k][2]
-        spec = sharded.shard_spec(s.all_variables[i])
+        spec = annotations.shard_spec(s.all_variables[i])
         value = self._group_gather(k, True)[0]
         if spec is not None and spec.num_shards > 1 and hasattr(spec, "to_full"):
             value = spec.to_full(value)
@@ -577,33 +574,29 @@ class ExternalSlots:
         """Gives the user's released slots their full values back and stops
         serving them (host side; a collective per slot). For a new state
         replacing this one, which cuts its shards from them."""
-        from keras_comm.parallel import _checkpoint  # keras_comm.parallel imports training
-
         s = self.engine.state
         for user in s.user_slots():
             value = self.value(user)
-            for component in sharded_state.local_components(user):
+            for component in optimizer_shards.local_components(user):
                 with tf.device(component.device):
                     fill(component, tf.constant(value))
         for k, user in enumerate(s.grouped_user_slots()):
             # Each local replica's own whole slot (they differ by stage).
             values = self._group_gather(k, False)
-            for component, value in zip(sharded_state.local_components(user), values):
+            for component, value in zip(optimizer_shards.local_components(user), values):
                 with tf.device(component.device):
                     fill(component, tf.constant(value))
-        for opt in sharded_state.user_optimizers(s.optimizer):
+        for opt in optimizer_shards.user_optimizers(s.optimizer):
             if opt is not None:
-                _checkpoint.register_external_slots(opt, None)
+                annotations.register_external_slots(opt, None)
         s.owns_slots = False
         self.engine.external = None
 
     def _group_assign(self, variable, value):
-        from keras_comm.parallel import sharded
-
         s = self.engine.state
         k = self._group_index[id(variable)]
         i = s.slot_pairs[0][2][k][2]
-        spec = sharded.shard_spec(s.all_variables[i])
+        spec = annotations.shard_spec(s.all_variables[i])
         value = np.asarray(value)
         want = tuple(spec.full_shape) if spec is not None else tuple(variable.shape)
         if tuple(value.shape) != want:
@@ -630,12 +623,12 @@ class ExternalSlots:
                 "the file must hold a value of that shape. Received: value of shape "
                 f"{tuple(value.shape)}"
             )
-        layout = sharding.Layout((value.size,), s.num_shards)
+        layout = packing.Layout((value.size,), s.num_shards)
         flat = tf.constant(value.reshape(-1), tf.float32)
         for replica, pairs, rank in zip(s.replicas, s.slot_pairs, self.engine.ranks()):
             slot = pairs[0][k][0]
             with tf.device(replica.device):
-                piece = sharding.local_shards([flat], layout, rank, tf.float32)[0]
+                piece = packing.local_shards([flat], layout, rank, tf.float32)[0]
                 fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))  # not a view of `flat`
 
 

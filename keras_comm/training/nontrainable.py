@@ -3,8 +3,8 @@
 Keras 3 creates the non-trainable state its layers update in `fit`
 (`BatchNormalization`'s moving mean and variance, a user layer's running
 average) with ``aggregation="none"``: under a multi-replica strategy each
-replica's update changes only its own copy, so the replicas drift apart
-(issue 19) -- `evaluate` and `predict` then differ by worker, and the chief's
+replica's update changes only its own copy, so the replicas drift apart --
+`evaluate` and `predict` then differ by worker, and the chief's
 checkpoint keeps only its own statistics. tf-keras created the moving
 statistics per replica (``synchronization=ON_READ``, MEAN aggregation): each
 replica updated its own copy, and a read outside the replicas (saving,
@@ -68,6 +68,11 @@ import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
+from keras_comm.variables import annotations
+from keras_comm.variables import packing
+from keras_comm.variables.annotations import PER_REPLICA_ATTR  # noqa: F401
+from keras_comm.variables.annotations import is_kept_per_replica
+from keras_comm.variables.annotations import keep_per_replica  # noqa: F401
 
 __all__ = [
     "agree_adapted",
@@ -78,37 +83,10 @@ __all__ = [
     "variables_to_agree",
 ]
 
-#: Attribute of the tf.Variable marking it as per-replica state (`keep_per_replica`).
-PER_REPLICA_ATTR = "_keras_comm_per_replica"
-
 # Strategies whose replicas each hold a copy of a mirrored variable and run
 # keras_comm's train step: the multi-worker one (also in-process, over local
 # devices) and the single-process MirroredStrategy.
 _STRATEGIES = (tf.distribute.MultiWorkerMirroredStrategy, tf.distribute.MirroredStrategy)
-
-
-def keep_per_replica(variable):
-    """Marks `variable` as state each replica keeps for itself.
-
-    The per-step sync (`sync`) then leaves it alone, whatever its kind: for
-    state that must differ between replicas (a per-replica buffer, a shard,
-    a replica's own statistics kept on purpose).
-
-    Args:
-        variable: a Keras variable (or tf.Variable).
-
-    Returns:
-        `variable`, marked.
-    """
-    setattr(keras_api.tf_variable(variable), PER_REPLICA_ATTR, True)
-    return variable
-
-
-def is_kept_per_replica(variable):
-    """Whether `variable` is marked with `keep_per_replica`."""
-    # Not getattr: a distributed variable forwards unknown attributes to its
-    # value, and reading an on-read one outside the replicas may fail.
-    return bool(vars(keras_api.tf_variable(variable)).get(PER_REPLICA_ATTR, False))
 
 
 def agreement_rule(variable):
@@ -131,9 +109,7 @@ def agreement_rule(variable):
         return None  # per replica by design
     if not tf.as_dtype(variable.dtype).is_floating:
         return None  # no mean; Keras's integer state advances identically
-    from keras_comm.parallel import sharded  # lazy: parallel imports training
-
-    if sharded.is_sharded(variable):
+    if annotations.is_sharded(variable):
         return None
     return "mean"
 
@@ -178,22 +154,9 @@ def variables_to_agree(model):
     return out
 
 
-def pack(values, dtype):
-    """Flattens `values` (statically shaped) into one vector of `dtype`.
-
-    Pure. Returns ``(vector, sizes)``, the layout `unpack` inverts.
-    """
-    sizes = [int(v.shape.num_elements()) for v in values]
-    flat = tf.concat([tf.reshape(tf.cast(v, dtype), [-1]) for v in values], axis=0)
-    return flat, sizes
-
-
-def unpack(flat, sizes, shapes, dtypes):
-    """The pieces of a `pack`ed vector, reshaped and cast back."""
-    return [
-        tf.cast(tf.reshape(piece, shape), dtype)
-        for piece, shape, dtype in zip(tf.split(flat, sizes), shapes, dtypes)
-    ]
+# The packed all-reduce's layout (kept under these names for callers).
+pack = packing.concat_flat
+unpack = packing.split_flat
 
 
 def pack_dtype(dtypes):
@@ -243,10 +206,10 @@ def sync(model, after=()):
     ]
     updated += [t for t in tf.nest.flatten(after) if t is not None]
     with tf.control_dependencies(updated):
-        flat, sizes = pack([v.read_value() for v in locals_], dtype)
+        flat, sizes = packing.concat_flat([v.read_value() for v in locals_], dtype)
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
     mean = total / tf.cast(num_replicas, dtype)
-    values = unpack(mean, sizes, [v.shape for v in locals_], [v.dtype for v in locals_])
+    values = packing.split_flat(mean, sizes, [v.shape for v in locals_], [v.dtype for v in locals_])
     for local, value in zip(locals_, values):
         local.assign(value)
 
@@ -302,15 +265,15 @@ def agree_adapted(model):
         n = tf.constant(float(context.num_replicas_in_sync), tf.float64)
         means = [tf_api.local_component(m) for m, _ in pairs]
         variances = [tf_api.local_component(v) for _, v in pairs]
-        flat, sizes = pack([m.read_value() for m in means], tf.float64)
+        flat, sizes = packing.concat_flat([m.read_value() for m in means], tf.float64)
         mean = context.all_reduce(tf.distribute.ReduceOp.SUM, flat) / n
-        spread = pack([v.read_value() for v in variances], tf.float64)[0] + tf.square(flat - mean)
+        spread = packing.concat_flat([v.read_value() for v in variances], tf.float64)[0] + tf.square(flat - mean)
         variance = context.all_reduce(tf.distribute.ReduceOp.SUM, spread) / n
         shapes = [m.shape for m in means]
         dtypes = [m.dtype for m in means]
-        for local, value in zip(means, unpack(mean, sizes, shapes, dtypes)):
+        for local, value in zip(means, packing.split_flat(mean, sizes, shapes, dtypes)):
             local.assign(value)
-        for local, value in zip(variances, unpack(variance, sizes, shapes, [v.dtype for v in variances])):
+        for local, value in zip(variances, packing.split_flat(variance, sizes, shapes, [v.dtype for v in variances])):
             local.assign(value)
 
     with strategy.scope():

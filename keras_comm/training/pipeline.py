@@ -5,7 +5,8 @@ so it needs micro-batch i's loss while the pipeline is still running. A
 layer cannot have it: Keras computes the loss after every layer has run. So
 for a model whose output is a `keras_comm.parallel.Pipeline` with
 ``schedule="1f1b"``, the step is this policy's instead of the replicated
-one (`keras_comm.training.replicated.train_step` hands over to it):
+one (`keras_comm.training.replicated.train_step` takes its gradients from
+here). The schedule itself is the layer's (`Pipeline.run_training_schedule`):
 
 1. the layers before the pipeline run on each replica's batch (a tape);
 2. their outputs, labels and sample weights are all-gathered over the
@@ -32,23 +33,31 @@ statistics) advances micro-batch by micro-batch and is averaged over the
 stage's replicas after the schedule.
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
 
-from keras_comm import ops
 from keras_comm._private import keras_api
+from keras_comm.parallel import _collectives
+from keras_comm.parallel.pipeline import Pipeline
+from keras_comm.training.forward import Forward
+from keras_comm.training.forward import global_batch_weight
+
+# Per model: its output Pipeline when that layer takes the training step, or
+# None. Per Pipeline: the model of the layers before it ("identity" when
+# there are none).
+_PLUG_INS = weakref.WeakKeyDictionary()
+_PRE_MODELS = weakref.WeakKeyDictionary()
 
 
 def _pipeline_layer(model):
-    """The model's output Pipeline (schedule 1F1B), or None."""
-    from keras_comm.parallel import pipeline as pipeline_lib
-
-    cached = getattr(model, "_keras_comm_pipeline_policy", False)
-    if cached is not False:
-        return cached
+    """The model's output `Pipeline` when its schedule needs the loss, or None."""
+    if model in _PLUG_INS:
+        return _PLUG_INS[model]
     layer = None
     layers = getattr(model, "layers", [])
-    if layers and isinstance(layers[-1], pipeline_lib.Pipeline) and layers[-1].schedule == "1f1b":
+    if layers and isinstance(layers[-1], Pipeline) and layers[-1].computes_loss_in_schedule:
         candidate = layers[-1]
         try:
             outputs = list(model.outputs)
@@ -56,7 +65,7 @@ def _pipeline_layer(model):
                 layer = candidate
         except (AttributeError, ValueError):
             layer = None
-    object.__setattr__(model, "_keras_comm_pipeline_policy", layer)
+    _PLUG_INS[model] = layer
     return layer
 
 
@@ -67,48 +76,30 @@ def applies(model):
 
 
 def _pre_model(model, layer):
-    pre = getattr(layer, "_keras_comm_pre_model", None)
+    pre = _PRE_MODELS.get(layer)
     if pre is None:
         inputs = list(model.inputs)
         if len(inputs) == 1 and layer.input is inputs[0]:
             pre = "identity"
         else:
             pre = keras.Model(inputs if len(inputs) > 1 else inputs[0], layer.input)
-        object.__setattr__(layer, "_keras_comm_pre_model", pre)
+        _PRE_MODELS[layer] = pre
     return pre
-
-
-def train_step(model, data):
-    """The replica step of a model whose output is a 1F1B `Pipeline`."""
-    from keras_comm.training import nontrainable
-
-    result = forward(model, data)
-    weights = model.trainable_weights
-    model.optimizer.apply_gradients(zip(result.grads, weights))
-    # Layers before the pipeline may keep moving statistics (BatchNormalization).
-    nontrainable.sync(model)
-    return result.metrics(model)
 
 
 def forward(model, data):
     """This replica's gradients for one batch through the full 1F1B table; nothing reduced.
 
-    What `keras_comm.training.replicated.forward` is for other models: one
+    What `keras_comm.training.forward.forward` is for other models: one
     gradient (or None) per `model.trainable_weights`, the loss tracked, and
-    the predictions for the metrics; the caller applies (the default step
-    above) or accumulates and shards them (`ParallelOptimizer`, whose step
-    calls this for a model this policy `applies` to, so 1F1B runs under the
-    callback too). The stage buffer's gradient is this stage's, reduced
-    later by its gradient hook over the stage's data group.
+    the predictions for the metrics; the caller applies them
+    (`replicated.train_step`) or accumulates and shards them
+    (`ParallelOptimizer`). The stage buffer's gradient is this stage's,
+    reduced later by its gradient hook over the stage's data group.
 
     Returns:
-        A `keras_comm.training.replicated.Forward`.
+        A `keras_comm.training.forward.Forward`.
     """
-    from keras_comm.parallel import _common
-    from keras_comm.parallel import pipeline as pipeline_lib
-    from keras_comm.parallel import schedules
-    from keras_comm.training import replicated
-
     layer = _pipeline_layer(model)
     if model.losses:
         raise ValueError(
@@ -126,18 +117,16 @@ def forward(model, data):
     batch = tf.shape(h)[0]
 
     def gather(t):
-        return None if t is None else _common.gather_batch(t, group, name, timeout)
+        return None if t is None else _collectives.gather_batch(t, group, name, timeout)
 
-    hg = layer._check_batch(gather(h))
+    hg = gather(h)
     yg = tf.nest.map_structure(gather, y)
     swg = tf.nest.map_structure(gather, sample_weight)
-    flat = tf.convert_to_tensor(keras_api.tf_variable(layer._buffer))
-    m = layer.num_micro_batches
-    mb = tf.shape(hg)[0] // m
+    mb = tf.shape(hg)[0] // layer.num_micro_batches
     # Micro-batch i's share of the loss over the global batch: Keras's
     # per-replica loss is mean / num_replicas, so scale it by
     # num_replicas * (micro-batch size) / (global batch size).
-    weight = replicated.global_batch_weight(batch, tf.float32)
+    weight = global_batch_weight(batch, tf.float32)
     if weight is not None:
         weight = weight * tf.math.divide_no_nan(tf.cast(mb, tf.float32), tf.cast(batch, tf.float32))
 
@@ -154,39 +143,15 @@ def forward(model, data):
             loss = model.optimizer.scale_loss(loss)
         return loss
 
-    s = group.index(_rank())
-    table = schedules.train_schedule("1f1b", layer.num_stages, m)[s]
-    ex = pipeline_lib._Executor(layer, s, group, hg, flat, True, loss_fn=loss_fn, state=layer._state_tensor())
-    ex.run(table)
-    dflat = ex.weight_gradient()
-    if ex.state is not None:
-        # The stages' moving statistics after every micro-batch, averaged
-        # over the stage's replicas (not the world: `nontrainable.sync`
-        # leaves the per-stage buffer alone).
-        dflat = p2p_after(dflat, [layer._write_state(ex.state, after=[dflat])])
-    y_full = ops.all_reduce(ex.output(), group=group, timeout=timeout, name=f"{name}_output")
-    y_pred = _common.own_rows(y_full, group)
+    result = layer.run_training_schedule(hg, loss_fn)
     grads = []
     if pre_weights:
-        dhg = ex.input_gradient()
-        dh = ops.reduce_scatter(dhg, group=group, timeout=timeout, name=f"{name}_input_grad")
-        grads = tape.gradient(h, pre_weights, output_gradients=dh)
+        grads = tape.gradient(h, pre_weights, output_gradients=result.input_gradient())
     by_id = {id(w): g for w, g in zip(pre_weights, grads)}
-    by_id[id(layer._buffer)] = dflat
+    by_id.update((id(w), g) for w, g in result.gradients)
     # The loss metric: this replica's own samples, as the replicated step tracks it.
-    loss = keras_api.compute_loss(model, x, y, y_pred, sample_weight)
+    loss = keras_api.compute_loss(model, x, y, result.output, sample_weight)
     keras_api.track_loss(model, loss, batch)
-    return replicated.Forward(
-        [by_id.get(id(w)) for w in model.trainable_weights], x, y, y_pred, sample_weight
+    return Forward(
+        [by_id.get(id(w)) for w in model.trainable_weights], x, y, result.output, sample_weight
     )
-
-
-def p2p_after(t, deps):
-    with tf.control_dependencies([d for d in deps if d is not None]):
-        return tf.identity(t)
-
-
-def _rank():
-    from keras_comm import topology
-
-    return topology.rank()

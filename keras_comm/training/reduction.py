@@ -21,22 +21,10 @@ import tensorflow as tf
 from keras_comm import config
 from keras_comm._private import keras_api
 
-#: Attribute of the tf.Variable holding its own gradient reduction.
-GRADIENT_HOOK_ATTR = "_keras_comm_reduce_gradient"
-
-
-def set_gradient_hook(variable, reduce):
-    """Makes `reduce(grad) -> grad` the gradient reduction of `variable`.
-
-    The hook lives on the tf.Variable, which is what the optimizer's
-    reduction receives.
-    """
-    setattr(keras_api.tf_variable(variable), GRADIENT_HOOK_ATTR, reduce)
-
-
-def gradient_hook(variable):
-    """The reduction `variable` carries, or None (the world-wide sum)."""
-    return getattr(keras_api.tf_variable(variable), GRADIENT_HOOK_ATTR, None)
+# The hook itself is a per-variable declaration (`keras_comm.variables.annotations`).
+from keras_comm.variables.annotations import GRADIENT_HOOK_ATTR
+from keras_comm.variables.annotations import gradient_hook  # noqa: F401
+from keras_comm.variables.annotations import set_gradient_hook
 
 
 def mark_gradient_reduced(variable):

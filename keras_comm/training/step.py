@@ -133,8 +133,8 @@ def make_function(model, replica_step):
     # the host: an eager `next` on a distributed iterator runs its
     # end-of-data agreement (a scalar all-reduce of "has a value") as an
     # eager collective, through a `ThreadPool` TensorFlow creates and drops
-    # at every call, and the eager ops of `get_next_as_optional` one by one
-    # (issue 18). Compiled, the same agreement is one graph collective. The
+    # at every call, and the eager ops of `get_next_as_optional` one by one.
+    # Compiled, the same agreement is one graph collective. The
     # host reads only whether any worker had data, so a call at the end of
     # data runs nothing of the step.
     @tf.autograph.experimental.do_not_convert
@@ -256,7 +256,7 @@ def _concat(tensors):
 
 
 def one_iterator_per_epoch(epoch_iterator):
-    """Whether Keras's epoch iterator skips its spare iterator (issue 18).
+    """Whether Keras's epoch iterator skips its spare iterator.
 
     Under MultiWorkerMirroredStrategy (one worker too) each epoch of `fit`
     and each `evaluate` creates only the distributed iterator it uses
@@ -268,7 +268,7 @@ def one_iterator_per_epoch(epoch_iterator):
     return is_mwms(keras_api.epoch_iterator_strategy(epoch_iterator), min_replicas=1)
 
 
-# --- Where the previous epoch's iterator is destroyed (issue 18) ------------
+# --- Where the previous epoch's iterator is destroyed -------------------------
 #
 # `fit` drops the last reference to an epoch's iterator on the host thread
 # when it rebinds its `iterator` at the next epoch's first step, and with
@@ -290,13 +290,11 @@ def one_iterator_per_epoch(epoch_iterator):
 # one is dropped on a release thread of that call's scope. The scope joins
 # every release thread before `fit`/`evaluate` returns or raises (in a
 # `finally`), so no such thread outlives the call that started it -- not into
-# the next test, not into interpreter shutdown, where Python's finalization
-# would end a thread still inside TensorFlow's C++ destructor (SIGABRT, the
-# reason the first version, whose daemon threads lived on, was reverted).
+# the next `fit`, not into interpreter shutdown, where Python's finalization
+# would end a thread still inside TensorFlow's C++ destructor (SIGABRT).
 # Only iterators whose pipelines can autotune (`tf_api.iterator_autotunes`)
 # are released off the host: without autotuning there is no thread to join,
-# the destructor returns at once, and it runs on the host as in stock Keras
-# (the test suite's datasets: its code path is unchanged). Outside a scope
+# the destructor returns at once, and it runs on the host as in stock Keras. Outside a scope
 # (`train_on_batch`, a step function called directly) nothing is held.
 
 #: Name of the threads that drop released iterators.
@@ -395,7 +393,7 @@ def releasing_iterators(method):
 
 
 def pending_releases():
-    """The release threads still running, of every scope (for tests)."""
+    """The release threads still running, of every scope."""
     return [t for t in threading.enumerate() if t.name == RELEASE_THREAD_NAME]
 
 

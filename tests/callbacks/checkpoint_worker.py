@@ -46,9 +46,9 @@ def optimizer_values(model):
     """The optimizer's variables as numpy; under ParallelOptimizer its slots
     hold no memory and their (full) values come from the callback's shards
     (a collective: every worker calls)."""
-    from keras_comm.parallel import _checkpoint
+    from keras_comm.variables import annotations
 
-    store = _checkpoint._EXTERNAL.get(model.optimizer)
+    store = annotations.external_slots(model.optimizer)
     return [
         store.value(v) if store is not None and store.owns(v) else np.asarray(v)
         for v in model.optimizer.variables

@@ -46,7 +46,7 @@ else of the optimizer:
   every update anyway, so they are filled (`fill`) at the update and
   released by the host right after it. A master costs its bytes only while
   the update runs (for float16/bfloat16 variables too: the weights stay the
-  source of truth, as before).
+  source of truth).
 
 Slots of hooked variables (whole, per replica) are not released: the
 user's slot and the clone's are both held (counted by `nbytes`).
@@ -70,28 +70,12 @@ import tensorflow as tf
 
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
-from keras_comm.training import sharding
-from keras_comm.training import reduction
-
-
-#: Attribute of the tf.Variable holding its data group (see `set_data_group`).
-DATA_GROUP_ATTR = "_keras_comm_data_group"
-
-
-def set_data_group(variable, group_of):
-    """Declares that `variable`'s gradient hook is one SUM over a group.
-
-    `group_of(rank)` returns the `topology.Group` of replicas whose
-    gradients the hook sums for replica `rank` (or None when the hook is
-    not one such sum). `ParallelOptimizer` with zero_stage >= 1 then shards
-    the variable's optimizer state over that group (module docstring).
-    """
-    setattr(keras_api.tf_variable(variable), DATA_GROUP_ATTR, group_of)
-
-
-def data_group(variable):
-    """The `group_of` `variable` declared with `set_data_group`, or None."""
-    return getattr(keras_api.tf_variable(variable), DATA_GROUP_ATTR, None)
+from keras_comm.training import accumulate_plan
+from keras_comm.variables import annotations
+from keras_comm.variables import packing
+from keras_comm.variables.annotations import DATA_GROUP_ATTR  # noqa: F401
+from keras_comm.variables.annotations import data_group
+from keras_comm.variables.annotations import set_data_group  # noqa: F401
 
 
 def local_variable(variable):
@@ -272,7 +256,7 @@ class ShardedState:
         self.strategy = model.distribute_strategy
         self.world = self.strategy.num_replicas_in_sync
         self.all_variables = list(model.trainable_variables)
-        hooks = [reduction.gradient_hook(v) for v in self.all_variables]
+        hooks = [annotations.gradient_hook(v) for v in self.all_variables]
         self.plain_index = [i for i, h in enumerate(hooks) if h is None]
         self.num_shards = self.world if zero_stage >= 1 else 1
         # Hooked variables with a data group: sharded over it (zero_stage >= 1).
@@ -297,13 +281,13 @@ class ShardedState:
         self.hooks = [hooks[i] for i in self.hooked_index]
         self.grouped = [self.all_variables[i] for i in self.grouped_index]
         self.group_layouts = [
-            sharding.Layout((prod(v.shape),), g(0).size)
+            packing.Layout((prod(v.shape),), g(0).size)
             for v, g in zip(self.grouped, self.group_of)
         ]
-        self.layout = sharding.Layout(
+        self.layout = packing.Layout(
             tuple(prod(v.shape) for v in self.variables), self.num_shards
         )
-        self.buckets = sharding.buckets(self.layout)
+        self.buckets = accumulate_plan.buckets(self.layout)
         self.optimizer = model.optimizer
         self.lso, self.user_inner = user_optimizers(model.optimizer)
         inner = self.user_inner
@@ -402,7 +386,7 @@ class ShardedState:
                 )
             self.slot_pairs.append((sharded, whole, grouped))
         sharded = self.slot_pairs[0][0]
-        self.slot_layout = sharding.Layout(
+        self.slot_layout = packing.Layout(
             tuple(prod(self.all_variables[i].shape) for _, _, i in sharded),
             self.num_shards,
         )
@@ -418,7 +402,7 @@ class ShardedState:
             and model.distribute_strategy.num_replicas_in_sync == self.world
             and [id(v) for v in model.trainable_variables]
             == [id(v) for v in self.all_variables]
-            and [reduction.gradient_hook(v) is not None for v in model.trainable_variables]
+            and [annotations.gradient_hook(v) is not None for v in model.trainable_variables]
             == [
                 i in set(self.hooked_index + self.grouped_index)
                 for i in range(len(self.all_variables))

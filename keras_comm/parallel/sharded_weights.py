@@ -18,7 +18,7 @@ handle it as usual) and changes three things:
   equals an unsplit layer's weight with the same seeded initializer. (The
   full value exists transiently on the host at build; the variable holds 1/N.)
 * **Gradient.** The variable carries its own gradient reduction
-  (`keras_comm.training.reduction`), which the optimizer calls instead of
+  (`keras_comm.variables.annotations.set_gradient_hook`), which the optimizer calls instead of
   its world all-reduce: a SUM over the weight's *data-parallel
   group* (the replicas holding the same shard; nothing when there are none).
   The optimizer then applies each replica's own gradient to its own
@@ -43,7 +43,6 @@ and the others to a path of their own. Per-replica access in one process:
 """
 
 import dataclasses
-import weakref
 import zlib
 
 import keras
@@ -54,13 +53,13 @@ from keras_comm import ops
 from keras_comm import topology
 from keras_comm._private import keras_api
 from keras_comm._private import tf_api
-from keras_comm.parallel import _common
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
-from keras_comm.training import reduction
+from keras_comm.variables import annotations
 
 #: Attribute (on the tf.Variable) that the optimizer's gradient reduction reads.
-REDUCE_GRADIENT_ATTR = reduction.GRADIENT_HOOK_ATTR
+REDUCE_GRADIENT_ATTR = annotations.GRADIENT_HOOK_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,39 +109,6 @@ class ShardSpec:
         return full[tuple(sl)]
 
 
-class _ByIdentity:
-    """Values attached to live objects, keyed by identity.
-
-    Variables hash by identity only through `id()`, and an id is reused as
-    soon as its object is gone: a plain ``{id(v): spec}`` let a new variable
-    created at a dead sharded one's address read as sharded (a test's
-    non-trainable state was then left out of the per-step sync, depending on
-    which tests had run before in the process). A weak reference kept beside
-    each entry tells the two apart, and drops the entry with its object.
-    """
-
-    def __init__(self):
-        self._entries = {}
-
-    def __setitem__(self, obj, value):
-        key = id(obj)
-
-        def forget(ref, key=key):
-            if self._entries.get(key, (None,))[0] is ref:
-                del self._entries[key]
-
-        self._entries[key] = (weakref.ref(obj, forget), value)
-
-    def get(self, obj):
-        entry = self._entries.get(id(obj))
-        if entry is None or entry[0]() is not obj:
-            return None
-        return entry[1]
-
-
-_specs = _ByIdentity()
-
-
 @dataclasses.dataclass(frozen=True)
 class DeferredShard:
     """A sharded weight created without a value (inside a `keras.StatelessScope`).
@@ -159,52 +125,23 @@ class DeferredShard:
 
     def full_value(self, dtype):
         """The full weight's initial value (numpy), the same on every worker."""
-        init = _seeded(self.initializer, self.seed)
+        init = seeded_initializer(self.initializer, self.seed)
         return np.asarray(keras.ops.convert_to_numpy(init(self.spec.full_shape, dtype=dtype)))
 
 
-_deferred = _ByIdentity()
-
-
-def deferred_shard(variable):
-    """The `DeferredShard` of a Keras variable created without a value, or None."""
-    return _deferred.get(variable)
-
-
 _tf_variable = keras_api.tf_variable
+deferred_shard = annotations.deferred_shard
+shard_spec = annotations.shard_spec
+is_sharded = annotations.is_sharded
+register_spec = annotations.register_spec
 
 
-def shard_spec(variable):
-    """The `ShardSpec` of `variable`, or None if it is not sharded."""
-    spec = _specs.get(_tf_variable(variable))
-    deferred = _deferred.get(variable) if spec is None else None
-    if deferred is not None:  # a Pipeline stage's shard
-        spec = deferred.spec
-    return spec
-
-
-def is_sharded(variable):
-    return shard_spec(variable) is not None
-
-
-def register_spec(variable, spec):
-    """Declares `variable` per replica, split as `spec` says.
-
-    For layers that create per-replica weights of their own layout
-    (`FullyShard`'s flat shards, `Pipeline`'s stage buffer): checkpoints then
-    save the variable and its optimizer slots gathered full-size and load
-    each replica's slice (`keras_comm.parallel._checkpoint`), so no replica's
-    part is lost or replaced by the chief's on resume.
-    """
-    _specs[_tf_variable(variable)] = spec
-
-
-def _components(variable):
+def components(variable):
     v = _tf_variable(variable)
     return list(v.values) if hasattr(v, "values") else [v]
 
 
-def _local_ranks(num_components, strategy=None):
+def local_ranks(num_components, strategy=None):
     """Global ranks of this process's replicas, in component order."""
     strategy = strategy or tf.distribute.get_strategy()
     if strategy.num_replicas_in_sync == 1:
@@ -213,7 +150,7 @@ def _local_ranks(num_components, strategy=None):
     return [task * num_components + i for i in range(num_components)]
 
 
-def _seeded(initializer, seed):
+def seeded_initializer(initializer, seed):
     init = keras.initializers.get(initializer)
     config = init.get_config()
     if "seed" in config:
@@ -284,20 +221,20 @@ def add_sharded_weight(
         # replica's shard from this record and reduces its gradient.
         if seed is None:
             seed = zlib.crc32(variable.path.encode()) % (2**31)
-        _deferred[variable] = DeferredShard(spec, initializer, int(seed))
+        annotations.register_deferred(variable, DeferredShard(spec, initializer, int(seed)))
         return variable
-    _specs[tf_var] = spec
-    reduction.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
+    annotations.register_spec(tf_var, spec)
+    annotations.set_gradient_hook(tf_var, lambda g: _reduce_gradient(spec, g, layer.name))
     if seed is None:
         seed = zlib.crc32(variable.path.encode()) % (2**31)
 
     def compute():
-        full = _seeded(initializer, seed)(full_shape, dtype=variable.dtype)
+        full = seeded_initializer(initializer, seed)(full_shape, dtype=variable.dtype)
         return np.asarray(keras.ops.convert_to_numpy(full))
 
     # Worker 0's full value on every worker: the path (hence the seed) can
     # differ between workers that made other layers before.
-    strategy = _strategy_of([variable])
+    strategy = strategy_of([variable])
     assign_full(variable, _initial.chief_value(strategy, full_shape, variable.dtype, compute))
     return variable
 
@@ -311,23 +248,17 @@ def _reduce_gradient(spec, grad, name):
 
 
 def process_shards(variable):
-    """``{global rank: numpy shard}`` for this process's replicas.
-
-    (Formerly `local_shards`, still importable under that name.)
-    """
-    comps = _components(variable)
-    ranks = _local_ranks(len(comps), _strategy_of([variable]))
+    """``{global rank: numpy shard}`` for this process's replicas (alias: `local_shards`)."""
+    comps = components(variable)
+    ranks = local_ranks(len(comps), strategy_of([variable]))
     return {r: c.numpy() for r, c in zip(ranks, comps)}
 
 
 def assign_process_shards(variable, shards):
-    """Writes ``{global rank: value}`` into this process's components.
-
-    (Formerly `assign_local_shards`, still importable under that name.)
-    """
-    comps = _components(variable)
+    """Writes ``{global rank: value}`` into this process's components (alias: `assign_local_shards`)."""
+    comps = components(variable)
     with tf.init_scope():
-        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps):
+        for r, c in zip(local_ranks(len(comps), strategy_of([variable])), comps):
             if r in shards:
                 c.assign(tf.cast(shards[r], c.dtype))
 
@@ -346,10 +277,10 @@ def assign_full(variable, full):
     """
     spec = shard_spec(variable)
     full = np.asarray(full)
-    comps = _components(variable)
-    strategy = _strategy_of([variable])
+    comps = components(variable)
+    strategy = strategy_of([variable])
     with tf.init_scope(), strategy.scope():
-        for r, c in zip(_local_ranks(len(comps), strategy), comps):
+        for r, c in zip(local_ranks(len(comps), strategy), comps):
             value = full if spec is None else spec.slice(full, spec.shard_index(r))
             c.assign(tf.cast(value, c.dtype))
 
@@ -365,10 +296,10 @@ def gather_full(variable, name=None):
     value = tf.convert_to_tensor(_tf_variable(variable))
     if spec is None:
         return value
-    return _common.gather_along(value, spec.shard_axis, spec.model_group(), name)
+    return _collectives.gather_along(value, spec.shard_axis, spec.model_group(), name)
 
 
-def _strategy_of(weights):
+def strategy_of(weights):
     for w in weights:
         strategy = tf_api.variable_strategy(_tf_variable(w))
         if strategy is not None:
@@ -376,19 +307,8 @@ def _strategy_of(weights):
     return tf.distribute.get_strategy()
 
 
-# Weights that stand for several full weights: a `Pipeline`'s per-replica
-# stage buffer is its stages' weights. id(tf.Variable) -> the owner, with
-# `full_values()` / `set_full_values(values)` / `full_value_count()`.
-_composites = {}
-
-
-def register_composite(variable, owner):
-    """Makes `full_weights` expand `variable` into ``owner.full_values()``."""
-    _composites[id(_tf_variable(variable))] = owner
-
-
-def _composite(variable):
-    return _composites.get(id(_tf_variable(variable)))
+register_composite = annotations.register_composite
+_composite = annotations.composite
 
 
 def full_weights(model_or_layer):
@@ -410,7 +330,7 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
-    strategy = _strategy_of(weights)
+    strategy = strategy_of(weights)
     if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
         return [np.asarray(w.numpy()) for w in weights]
 
@@ -469,8 +389,8 @@ def set_full_weights_of(weights, values):
 
 def shard_nbytes(variable):
     """Bytes each local replica holds for `variable`: ``{rank: bytes}``."""
-    comps = _components(variable)
+    comps = components(variable)
     return {
         r: int(np.prod(c.shape)) * c.dtype.size
-        for r, c in zip(_local_ranks(len(comps), _strategy_of([variable])), comps)
+        for r, c in zip(local_ranks(len(comps), strategy_of([variable])), comps)
     }
