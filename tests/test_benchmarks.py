@@ -73,11 +73,17 @@ def test_fusion_summary_pairs_iterations_across_ranks():
     assert row["fused_over_raw_packed"] == 1.5
 
 
+def _env_with_repo():
+    """The environment with this checkout first on PYTHONPATH (for the launches)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
 @pytest.mark.multiprocess
 def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "results"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    env = _env_with_repo()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--smoke", "--quiet", "--out", str(out)],
         cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=170,
@@ -255,8 +261,7 @@ def test_memory_pipeline_stages_split_the_layers_in_order():
 @pytest.mark.multiprocess
 def test_memory_ledger_runs_each_mode_in_fresh_workers(tmp_path):
     out = tmp_path / "ledger.jsonl"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    env = _env_with_repo()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory_ledger", "--model", "tiny", "--steps", "3",
          "--configs", "zero1", "pipeline", "--out", str(out), "--timeout", "150"],
