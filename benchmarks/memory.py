@@ -102,6 +102,79 @@ def _zero3(strategy, model, seed=0, prefetch=True):
     return m, []
 
 
+def _tensor_parallel(strategy, model, seed=0):
+    """The MLP with its layers alternately `ColumnParallelDense` and
+    `RowParallelDense` over the whole world (a last odd layer a plain Dense):
+    each replica holds 1/n of every kernel and the column layers' biases."""
+    import keras
+
+    from keras_comm import parallel as P
+
+    features, hidden, outputs = MODELS[model]
+    units = [*hidden, outputs]
+    layers = []
+    for i, u in enumerate(units):
+        activation = "relu" if i < len(hidden) else None
+        if i % 2 == 0 and i < len(units) - 1:
+            layers.append(P.ColumnParallelDense(u, activation=activation, seed=seed + i))
+        elif i % 2 == 1:
+            layers.append(P.RowParallelDense(u, activation=activation, seed=seed + i))
+        else:
+            layers.append(keras.layers.Dense(u, activation=activation))
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        m = keras.Sequential([keras.Input((features,)), *layers])
+        m.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return m, []
+
+
+#: Micro-batches per pipeline step, per stage (m = 2 p: 1F1B keeps the bubble small).
+PIPELINE_MICRO_BATCHES_PER_STAGE = 2
+
+
+def pipeline_stages(model, n):
+    """The MLP's layers (hidden widths and the output) split into `n`
+    contiguous stages of as equal a layer count as possible: a list of lists
+    of ``(units, activation)``."""
+    _, hidden, outputs = MODELS[model]
+    layers = [(h, "relu") for h in hidden] + [(outputs, None)]
+    if len(layers) < n:
+        raise ValueError(
+            f"`model` {model!r} has {len(layers)} layers, fewer than the {n} pipeline "
+            f"stages. Received: model={model!r}, n={n}"
+        )
+    base, extra = divmod(len(layers), n)
+    out, start = [], 0
+    for s in range(n):
+        size = base + (1 if s < extra else 0)
+        out.append(layers[start:start + size])
+        start += size
+    return out
+
+
+def _pipeline(strategy, model, seed=0):
+    """The MLP as a 1F1B `Pipeline` of one stage per worker (the model's
+    last layer, so `fit` interleaves forwards and backwards)."""
+    import keras
+
+    from keras_comm import parallel as P
+
+    features = MODELS[model][0]
+    n = strategy.num_replicas_in_sync
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        stages = [
+            keras.Sequential([keras.layers.Dense(u, activation=a) for u, a in layers])
+            for layers in pipeline_stages(model, n)
+        ]
+        m = keras.Sequential([
+            keras.Input((features,)),
+            P.Pipeline(stages, PIPELINE_MICRO_BATCHES_PER_STAGE * n, "1f1b", seed=seed),
+        ])
+        m.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return m, []
+
+
 def bytes_per_step(config, spec, n):
     """Bytes each replica sends per step (ring algorithms, float32; see
     docs/fully_sharded.md): an all-reduce moves 2 (N-1)/N S for the gradient
@@ -129,6 +202,8 @@ CONFIGS = {
     "zero2_acc2": _parallel_optimizer(zero_stage=2, accumulation_steps=2),
     "zero3": _zero3,
     "zero3_noprefetch": lambda strategy, model: _zero3(strategy, model, prefetch=False),
+    "tensor_parallel": _tensor_parallel,
+    "pipeline": _pipeline,
 }
 
 
@@ -170,6 +245,8 @@ class _Sampler:
         self.interval = interval
         self.phase = "build"
         self.peaks = {}
+        # ru_maxrss when each phase ended: catches spikes between samples.
+        self.high_water = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
         self._thread.start()
@@ -187,6 +264,7 @@ class _Sampler:
 
     def enter(self, phase):
         self.sample()
+        self.high_water[self.phase] = _maxrss_bytes()
         self.phase = phase
         self.sample()
 
@@ -194,6 +272,7 @@ class _Sampler:
         self._stop.set()
         self._thread.join()
         self.sample()
+        self.high_water[self.phase] = _maxrss_bytes()
         return {k: v / MIB for k, v in self.peaks.items()}
 
 
@@ -231,18 +310,21 @@ def dataset(model, per_replica_batch, n):
     return ds.with_options(options)
 
 
-def measure(config, model, steps, per_replica_batch):
-    """Worker side: one configuration in this (fresh) process."""
+def measure(config, model, steps, per_replica_batch, strategy=None):
+    """Worker side: one configuration in this (fresh) process, under
+    `strategy` (None: a new MultiWorkerMirroredStrategy)."""
     import tensorflow as tf
 
     import keras_comm  # noqa: F401  (model.fit under MWMS)
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    if strategy is None:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.task_id or 0
     n = strategy.num_replicas_in_sync
     global_batch = per_replica_batch * n
     ds = dataset(model, per_replica_batch, n)
     before_build = _maxrss_bytes()
+    rss_before_build = _current_rss_bytes()
     sampler = _Sampler()
     m, callbacks = CONFIGS[config](strategy, model)
     built = _maxrss_bytes()
@@ -263,6 +345,7 @@ def measure(config, model, steps, per_replica_batch):
         "steps": steps,
         "global_batch": global_batch,
         "peak_rss_before_build": before_build,
+        "rss_before_build": rss_before_build,
         "peak_rss_after_build": built,
         "peak_rss": _maxrss_bytes(),
         "rss_after_fit": _current_rss_bytes(),
@@ -270,6 +353,8 @@ def measure(config, model, steps, per_replica_batch):
         "fit_seconds": seconds,
         # Sampled resident memory's peak per phase, MiB (see `_Sampler`).
         "phase_peak_mib": phase_peaks,
+        # ru_maxrss at the end of each phase, MiB: the high-water mark's growth.
+        "phase_high_water_mib": {k: v / MIB for k, v in sampler.high_water.items()},
     }
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):
@@ -352,6 +437,8 @@ LABELS = {
     "zero2_acc2": "ZeRO-2, accum. 2",
     "zero3": "ZeRO-3 (FullyShard)",
     "zero3_noprefetch": "ZeRO-3, no prefetch",
+    "tensor_parallel": "tensor-parallel",
+    "pipeline": "pipeline (1F1B)",
 }
 
 

@@ -74,11 +74,17 @@ def test_fusion_summary_pairs_iterations_across_ranks():
     assert row["fused_over_raw_packed"] == 1.5
 
 
+def _env_with_repo():
+    """The environment with this checkout first on PYTHONPATH (for the launches)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
 @pytest.mark.multiprocess
 def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "results"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    env = _env_with_repo()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--smoke", "--quiet", "--out", str(out)],
         cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=170,
@@ -195,3 +201,77 @@ def test_overlap_timeline_finds_backward_collectives_and_updates():
     assert step["backward_ms"] == [5, 60]
     assert [c[:2] for c in step["collectives_ms"]] == [[20, 21], [61, 62]]
     assert step["update_ms"] == [80, 90]
+
+
+def test_memory_ledger_ideal_counts_each_mode_state_and_transient():
+    from benchmarks import memory_ledger
+
+    p = 42_020_880  # the 2048-4096-4096-4096-16 MLP
+    largest = 4096 * 4096 + 4096
+    mib = 2**20
+    plain = memory_ledger.ideal("plain", "mlp42m", 2, 32)
+    assert sum(plain["state"].values()) == 16 * p
+    # A 64 MiB gradient is a bucket of its own.
+    assert plain["transient"]["bucket"] == 4 * 4096 * 4096
+    zero1 = memory_ledger.ideal("zero1", "mlp42m", 2, 32)
+    assert sum(zero1["state"].values()) == 8 * p + 8 * p // 2
+    acc = memory_ledger.ideal("zero2_acc2", "mlp42m", 2, 32)
+    assert acc["state"]["accumulation"] == 4 * p // 2
+    zero3 = memory_ledger.ideal("zero3", "mlp42m", 4, 32)
+    assert sum(zero3["state"].values()) == 16 * p // 4
+    assert zero3["transient"]["gathered layer"] == 12 * largest
+    pipeline = memory_ledger.ideal("pipeline", "mlp42m", 2, 32)
+    assert pipeline["state"]["weights"] == 4 * (2048 * 4096 + 4096 + 4096 * 4096 + 4096)
+    tp = memory_ledger.ideal("tensor_parallel", "mlp42m", 2, 32)
+    replicated = 4096 + 16  # the row layers' biases
+    assert tp["state"]["weights"] == 4 * ((p - replicated) // 2 + replicated)
+    # No bucket is larger than every gradient together.
+    tiny = memory_ledger.ideal("plain", "tiny", 2, 32)
+    assert tiny["transient"]["bucket"] < mib
+    with pytest.raises(ValueError, match="config"):
+        memory_ledger.ideal("zero9", "tiny", 2, 32)
+
+
+def test_memory_ledger_row_reports_ratio_spread_and_growth():
+    from benchmarks import memory_ledger
+
+    ranks = [
+        {"rank": 0, "baseline_mib": 700.0, "peak_mib": 100.0, "after_build_mib": 50.0,
+         "step_peak_mib": [90.0, 95.0, 98.0], "step_high_water_mib": [90.0, 95.0, 100.0]},
+        {"rank": 1, "baseline_mib": 710.0, "peak_mib": 80.0, "after_build_mib": 50.0,
+         "step_peak_mib": [70.0, 75.0, 80.0], "step_high_water_mib": [70.0, 75.0, 80.0]},
+    ]
+    row = memory_ledger.row("plain", "tiny", 2, 32, ranks)
+    assert row["peak_mib"] == 100.0 and row["peak_mib_per_rank"] == [100.0, 80.0]
+    assert row["rank_spread"] == pytest.approx(0.2)
+    assert row["growth_after_first_mib"] == 5.0
+    assert row["ratio"] == pytest.approx(100.0 / row["ideal_mib"])
+    assert "| plain fit | 100 (100 / 80) |" in memory_ledger.markdown([row])[2]
+
+
+def test_memory_pipeline_stages_split_the_layers_in_order():
+    from benchmarks import memory
+
+    assert memory.pipeline_stages("mlp42m", 2) == [
+        [(4096, "relu"), (4096, "relu")], [(4096, "relu"), (16, None)]]
+    assert [len(s) for s in memory.pipeline_stages("mlp42m", 3)] == [2, 1, 1]
+    with pytest.raises(ValueError, match="stages"):
+        memory.pipeline_stages("tiny", 4)
+
+
+@pytest.mark.multiprocess
+def test_memory_ledger_runs_each_mode_in_fresh_workers(tmp_path):
+    out = tmp_path / "ledger.jsonl"
+    env = _env_with_repo()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_ledger", "--model", "tiny", "--steps", "3",
+         "--configs", "zero1", "pipeline", "--out", str(out), "--timeout", "150"],
+        cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=320,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["zero1", "pipeline"]
+    for r in rows:
+        assert len(r["peak_mib_per_rank"]) == 2 and len(r["step_peak_mib"]) == 3
+        assert r["peak_mib"] > 0 and r["ideal_mib"] > 0
+    assert "| ZeRO-1 |" in proc.stdout
