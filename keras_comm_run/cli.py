@@ -47,13 +47,17 @@ several nodes (torchrun style; run the same command on every node):
   docs/cluster.md.
 
 output:
-  Worker output is forwarded as it is written: each line (and each line a
-  progress bar redraws with '\\r') starts with "[rank g] "; stdout to stdout,
-  stderr to stderr. --no-prefix prints the text unchanged. --progress chief
-  (default) keeps the other ranks' redrawn lines (their progress bars) off
-  the console; --console-ranks limits the console to some ranks; --log-dir
-  DIR writes every rank's output, unfiltered, to DIR/rank<g>.stdout.log and
-  DIR/rank<g>.stderr.log.
+  Only the chief's (rank 0's) output reaches the console by default, as
+  with tf-keras: --console-ranks all shows every rank's, --console-ranks
+  0,2 some. --log-dir DIR writes every rank's output, unfiltered, to
+  DIR/rank<g>.stdout.log and DIR/rank<g>.stderr.log. When a rank kept off
+  the console fails, the end of its stderr (from its last Python traceback
+  on) is shown, each line prefixed with "[rank g] ". Output is forwarded as
+  it is written: each line (and each line a progress bar redraws with
+  '\\r') starts with "[rank g] "; stdout to stdout, stderr to stderr.
+  --no-prefix prints the text unchanged. With several ranks on the
+  console, --progress chief (default) keeps the other ranks' redrawn lines
+  (their progress bars) off it.
 
 restarts:
   --max-restarts K: when a worker fails, or no worker writes anything for
@@ -144,8 +148,9 @@ def _build_parser():
         help="a job with no output from any worker for SECONDS has stalled")
     add("--log-dir", default=None, metavar="DIR",
         help="also write each rank's stdout/stderr to DIR/rank<g>.{stdout,stderr}.log")
-    add("--console-ranks", default="all", metavar="RANKS",
-        help='ranks shown on the console: "all" (default), "none" or e.g. "0,2"')
+    add("--console-ranks", default="0", metavar="RANKS",
+        help='ranks whose output reaches the console: "0" (default: the chief), "all", '
+             '"none" or e.g. "0,2"; a failed rank\'s error is always shown')
     add("--progress", choices=("chief", "all"), default="chief",
         help="whose progress bars ('\\r' redraws) reach the console (default: chief)")
     add("--gpus-per-worker", type=int, default=None, metavar="G",

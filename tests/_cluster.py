@@ -140,6 +140,8 @@ def launcher_command(script, num_workers, *args, timeout=300, launcher_args=()):
         *LAUNCHER,
         "-n", str(num_workers),
         "--timeout", str(timeout),
+        # Every rank's output, for the checks and for a failure's report.
+        "--console-ranks", "all",
         *[str(a) for a in launcher_args],
         _resolve_script(script),
         *[str(a) for a in args],

@@ -83,7 +83,8 @@ def _wait_for_files(out_dir, num_workers, timeout=20):
 
 
 def test_success_prefixes_lines_and_sets_tf_config_per_rank(tmp_path):
-    proc = _launch(tmp_path, "-n", "3", REPORT_ENV, "--flag", "-n", "7", "--timeout", "x")
+    proc = _launch(tmp_path, "-n", "3", "--console-ranks", "all", REPORT_ENV,
+                   "--flag", "-n", "7", "--timeout", "x")
 
     assert proc.returncode == 0, proc.stderr
     for r in range(3):
@@ -134,7 +135,8 @@ def test_documented_entry_points(tmp_path, entry):
     )
 
     assert proc.returncode == 0, proc.stderr
-    assert "[rank 1] stdout line from rank 1" in proc.stdout
+    assert "[rank 0] stdout line from rank 0" in proc.stdout
+    assert len(_results(tmp_path, 2)) == 2
 
 
 def test_module_form(tmp_path):
@@ -142,7 +144,7 @@ def test_module_form(tmp_path):
     proc = _launch(tmp_path, "-n", "2", "-m", "launch_scripts.report_env", "--epochs", "1")
 
     assert proc.returncode == 0, proc.stderr
-    assert "[rank 1] stdout line from rank 1" in proc.stdout
+    assert "[rank 0] stdout line from rank 0" in proc.stdout
     assert [r["argv"] for r in _results(tmp_path, 2)] == [["--epochs", "1"]] * 2
 
 
@@ -508,7 +510,8 @@ def _read_until(proc, needle, timeout=30):
 def test_progress_bars_pass_through_live_chief_only_and_logs_keep_everything(tmp_path):
     go, logs = tmp_path / "go", tmp_path / "logs"
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", "--log-dir", str(logs), PROGRESS, str(go)],
+        [*LAUNCHER, "-n", "2", "--console-ranks", "all", "--log-dir", str(logs), PROGRESS,
+         str(go)],
         env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
@@ -700,7 +703,8 @@ def _two_nodes(tmp_path, script, *args, workers=(1, 2), timeout=120, extra=()):
 
 
 def test_two_nodes_get_one_consistent_cluster(tmp_path):
-    port, procs, outputs = _two_nodes(tmp_path, REPORT_ENV, timeout=60)
+    port, procs, outputs = _two_nodes(tmp_path, REPORT_ENV, timeout=60,
+                                      extra=("--console-ranks", "all"))
 
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "[rank 0] stdout line from rank 0" in outputs[0][0]
