@@ -489,7 +489,8 @@ def run(
 
     with _SignalCatcher() as catcher:
         if nnodes > 1:
-            cluster.check_host(master_addr, allow_non_loopback, "master_addr")
+            _wait_for_master_name(master_addr, allow_non_loopback, node_rank, rendezvous_timeout,
+                                  lambda: bool(catcher.received))
             nodes = rendezvous(
                 master_addr, master_port, nnodes, node_rank, num_workers,
                 rendezvous_timeout, interrupted=lambda: bool(catcher.received),
@@ -521,6 +522,23 @@ def run(
             python, base_env, layout, first_rank, num_workers, node_rank, gpus, view,
             catcher, timeout, stall_timeout, max_restarts, picked=nnodes == 1 and not base_port,
         )
+
+
+def _wait_for_master_name(master_addr, allow_non_loopback, node_rank, timeout, interrupted):
+    """Checks `master_addr`; on the other nodes, waits for its name to resolve.
+
+    Node 0's DNS name may appear only once node 0 runs (a Kubernetes pod's
+    name under its headless Service), so another node retries until the
+    rendezvous timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return cluster.check_host(master_addr, allow_non_loopback, "master_addr")
+        except cluster.UnresolvedHost:
+            if node_rank == 0 or time.monotonic() > deadline or interrupted():
+                raise
+            time.sleep(1.0)
 
 
 def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_rank, gpus,

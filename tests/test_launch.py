@@ -725,8 +725,8 @@ def test_two_nodes_get_one_consistent_cluster(tmp_path):
     "argv, message",
     [
         (["--nnodes", "2", "-n", "1", REPORT_ENV], "--master-port is required with --nnodes"),
-        (["--nnodes", "2", "--node-rank", "2", "--master-port", "20000", "-n", "1", REPORT_ENV],
-         "Received: node_rank=2"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "20000", "--rendezvous-timeout",
+          "1", "-n", "1", REPORT_ENV], "Received: --node-rank 2"),
         (["--nnodes", "2", "--master-port", "20000", "--master-addr", "192.0.2.1", "-n", "1",
           REPORT_ENV], "Received: master_addr='192.0.2.1'"),
         (["--nnodes", "2", "--master-port", "20000", "--max-restarts", "1", "-n", "1", REPORT_ENV],
