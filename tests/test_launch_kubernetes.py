@@ -112,3 +112,19 @@ def test_the_manifests_pods_train_as_local_processes(tmp_path):
     assert match, outputs[0][0][-3000:]
     assert float(match.group(1)) < 1e-4  # the 2-pod fit equals one process
     assert "[rank" not in outputs[1][0]
+
+
+def _docs_block(lang, first_line):
+    text = (REPO_DIR / "docs" / "cluster.md").read_text()
+    start = text.index(f"```{lang}\n{first_line}") + len(f"```{lang}\n")
+    return text[start:text.index("```", start)]
+
+
+def test_the_docs_show_the_manifest_and_the_sbatch_script_as_they_are():
+    assert list(yaml.safe_load_all(_docs_block("yaml", "apiVersion"))) == list(
+        yaml.safe_load_all(MANIFEST.read_text()))
+    script = (REPO_DIR / "examples" / "cluster" / "slurm.sbatch").read_text().splitlines()
+    # The file's comment lines (not its #! and #SBATCH lines) are left out of the page.
+    kept = [line for line in script
+            if not (line.startswith("#") and not line.startswith(("#!", "#SBATCH")))]
+    assert _docs_block("bash", "#!/bin/bash").splitlines() == kept
