@@ -11,19 +11,25 @@ rank's mean time), the slowest rank, and whether the layer's result equals
 the raw collective's and the closed form exactly (the inputs are small
 integers, exact in float32 in any summation order).
 
-Exit status: 0 if every rank matched; 1 if a result differed; 3 if the
-cluster did not form within `KERAS_COMM_CHECK_JOIN_SECONDS` (the launcher
-passes `--rendezvous-timeout`), with the rank(s) that did not join named.
+Exit status: 0 if every rank matched; 1 if a result differed; 3 if a rank
+did not join within `KERAS_COMM_CHECK_JOIN_SECONDS` (the launcher passes
+`--rendezvous-timeout`), with the rank(s) named: before TensorFlow starts,
+every rank reports to rank 0 over TCP (`join`).
 
 Only the worker side imports TensorFlow; the launcher never imports this
 module. Kept importable without TensorFlow for the pure helpers.
 """
 
+import json
 import os
-import re
 import socket
 import sys
 import time
+
+from keras_comm_run.cluster import address
+from keras_comm_run.cluster import socket_family as cluster_family
+
+_STARTED = time.monotonic()
 
 PROG = "keras-comm-run --check"
 SIZES_MB = (1, 16, 64)
@@ -42,13 +48,6 @@ def bandwidths(size_bytes, seconds, replicas):
     return algbw, algbw * 2 * (replicas - 1) / replicas if replicas > 1 else algbw
 
 
-def missing_ranks(message, world, rank):
-    """The task indices a TensorFlow join error names (other than `rank`)."""
-    found = {int(t) for t in re.findall(r"/job:worker/replica:0/task:(\d+)", message)}
-    found.discard(rank)
-    return sorted(r for r in found if 0 <= r < world)
-
-
 def format_table(rows, replicas):
     """The chief's table: one row per size (see `main`)."""
     lines = [
@@ -64,36 +63,77 @@ def format_table(rows, replicas):
     return "\n".join(lines)
 
 
-def _join_cluster(tf, world, rank, join_seconds):
-    """The strategy, or exits EXIT_JOIN naming the ranks that did not join."""
-    from tensorflow.core.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
+def _chief_address():
+    """(host, port) of rank 0 from TF_CONFIG: its TensorFlow port, free until the strategy starts."""
+    workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+    host, _, port = workers[0].rpartition(":")
+    return host.strip("[]"), int(port)
 
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=join_seconds)
-    if world > 1:
-        # MultiWorkerMirroredStrategy keeps a coordination service configured
-        # before it: the same one it would create, with a join deadline.
-        context.context().configure_coordination_service(
-            service_type="standalone",
-            service_leader="/job:worker/replica:0/task:0",
-            cluster_register_timeout_in_ms=int(join_seconds * 1000),
-            coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=world)],
-        )
-    start = time.monotonic()
-    try:
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    except Exception as e:  # noqa: BLE001 - any failure to form the cluster is reported
-        text = str(e)
-        missing = missing_ranks(text, world, rank)
-        who = (f"rank(s) {', '.join(map(str, missing))} did not join" if missing
-               else "the cluster did not form")
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+def join(world, rank, join_seconds):
+    """Every rank's seconds from its start to joining; exits EXIT_JOIN naming who did not join.
+
+    Before TensorFlow listens, rank 0 listens on its own TensorFlow port and
+    every other rank reports there, so a missing rank is named (TensorFlow
+    itself would wait for it without saying which). Rank 0 answers once all
+    have come; a peer closes first, so rank 0's port is free for TensorFlow.
+    """
+    if world == 1:
+        return [0.0]
+    host, port = _chief_address()
+    deadline = time.monotonic() + join_seconds
+    since_start = time.monotonic() - _STARTED
+    if rank == 0:
+        with socket.socket(cluster_family(host), socket.SOCK_STREAM) as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind((host, port))
+            server.listen(world)
+            server.settimeout(0.2)
+            peers, joined = {}, {0: since_start}
+            while len(joined) < world and time.monotonic() < deadline:
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(10)
+                try:
+                    report = json.loads(conn.makefile().readline())
+                    peers[report["rank"]] = conn
+                    joined[report["rank"]] = report["seconds"]
+                except (OSError, ValueError, KeyError):
+                    conn.close()
+            missing = sorted(set(range(world)) - set(joined))
+            answer = {"missing": missing}
+            for conn in peers.values():
+                try:
+                    conn.sendall((json.dumps(answer) + "\n").encode())
+                    conn.recv(1)  # the peer closes first
+                except OSError:
+                    pass
+                conn.close()
+    else:
+        answer = None
+        while answer is None:
+            try:
+                with socket.create_connection((host, port), timeout=2) as conn:
+                    conn.sendall((json.dumps({"rank": rank, "seconds": since_start}) + "\n").encode())
+                    conn.settimeout(max(1.0, deadline - time.monotonic() + 10))
+                    answer = json.loads(conn.makefile().readline())
+                    joined = {}
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    answer = {"missing": [0]}
+                else:
+                    time.sleep(0.2)
+    if answer["missing"]:
         print(
-            f"{PROG}: rank {rank} of {world}: {who} within {time.monotonic() - start:.0f} s "
-            f"(join deadline {join_seconds:g} s, --rendezvous-timeout): {first[:500]}",
+            f"{PROG}: rank {rank} of {world}: rank(s) "
+            f"{', '.join(map(str, answer['missing']))} did not join within {join_seconds:g} s "
+            f"(--rendezvous-timeout; rank 0 waits at {address(host, port)})",
             file=sys.stderr, flush=True,
         )
         sys.exit(EXIT_JOIN)
+    return [joined.get(r, 0.0) for r in range(world)]
 
 
 def main():
@@ -101,13 +141,14 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     join_seconds = float(os.environ.get(JOIN_SECONDS_VAR, _DEFAULT_JOIN_SECONDS))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    started = time.monotonic()
+    join_times = join(world, rank, join_seconds)
 
     import numpy as np
     import tensorflow as tf
 
-    strategy = _join_cluster(tf, world, rank, join_seconds)
-    joined = time.monotonic() - started
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=join_seconds))
 
     import keras
 
@@ -121,13 +162,21 @@ def main():
     def local(value):
         return strategy.experimental_local_results(value)[0]
 
-    @tf.function
-    def raw(x):
-        return strategy.run(lambda v: tf.distribute.get_replica_context().all_reduce(sum_op, v), args=(x,))
+    def raw_replica(v):
+        # tf.identity puts the value on this replica's device, which the
+        # strategy's all-reduce takes as its destination.
+        return tf.distribute.get_replica_context().all_reduce(sum_op, tf.identity(v))
 
-    @tf.function
+    def layer_replica(v):
+        return layer(tf.identity(v))
+
+    @tf.function(autograph=False)
+    def raw(x):
+        return strategy.run(raw_replica, args=(x,))
+
+    @tf.function(autograph=False)
     def through_layer(x):
-        return strategy.run(layer, args=(x,))
+        return strategy.run(layer_replica, args=(x,))
 
     def per_rank(values):
         """Every rank's float `values` (a list), gathered with the raw collective."""
@@ -164,7 +213,7 @@ def main():
             "mb": mb, "bytes": size, "seconds": float(times.max()),
             "slowest": int(times.argmax()), "fastest_seconds": float(times.min()),
         })
-    joins = per_rank([joined])[:, 0]
+    joins = np.asarray(join_times)
     host = socket.gethostname()
     failed = sorted({r for ranks in mismatches for r in ranks})
     if task == 0:

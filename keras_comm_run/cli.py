@@ -5,7 +5,6 @@ import os
 import sys
 from typing import NamedTuple
 
-from keras_comm_run import check
 from keras_comm_run import cluster
 from keras_comm_run import rendezvous
 from keras_comm_run import schedulers
@@ -374,6 +373,10 @@ def main(argv=None):
     console_ranks = _parse_console_ranks(parser, args.console_ranks)
     env = None
     if args.check:
+        # Imported here: a worker running `-m keras_comm_run.check` imports
+        # this package first, which must not have imported that module.
+        from keras_comm_run import check
+
         if command:
             parser.error(
                 "--check runs its own workers and takes no script. "

@@ -489,8 +489,8 @@ def run(
 
     with _SignalCatcher() as catcher:
         if nnodes > 1:
-            _wait_for_master_name(master_addr, allow_non_loopback, node_rank, rendezvous_timeout,
-                                  lambda: bool(catcher.received))
+            _wait_for_master_name(master_addr, allow_non_loopback, rendezvous_timeout,
+                                  lambda: bool(catcher.received), view.err)
             nodes = rendezvous(
                 master_addr, master_port, nnodes, node_rank, num_workers,
                 rendezvous_timeout, interrupted=lambda: bool(catcher.received),
@@ -524,20 +524,24 @@ def run(
         )
 
 
-def _wait_for_master_name(master_addr, allow_non_loopback, node_rank, timeout, interrupted):
-    """Checks `master_addr`; on the other nodes, waits for its name to resolve.
+def _wait_for_master_name(master_addr, allow_non_loopback, timeout, interrupted, err):
+    """Checks `master_addr`, waiting (at most `timeout` s) for its name to resolve.
 
-    Node 0's DNS name may appear only once node 0 runs (a Kubernetes pod's
-    name under its headless Service), so another node retries until the
-    rendezvous timeout.
+    Node 0's DNS name may appear only once node 0's pod exists (a
+    Kubernetes pod's name under its headless Service), on any node.
     """
     deadline = time.monotonic() + timeout
+    said = False
     while True:
         try:
             return cluster.check_host(master_addr, allow_non_loopback, "master_addr")
         except cluster.UnresolvedHost:
-            if node_rank == 0 or time.monotonic() > deadline or interrupted():
+            if time.monotonic() > deadline or interrupted():
                 raise
+            if not said:
+                err.write_line(f"{PROG}: waiting for --master-addr {master_addr} to resolve "
+                               f"(at most {timeout:g} s, --rendezvous-timeout).")
+                said = True
             time.sleep(1.0)
 
 

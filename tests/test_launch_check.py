@@ -22,9 +22,6 @@ def test_bandwidth_follows_nccl_tests():
     assert algbw == pytest.approx((64 << 20) / 0.1 / 1e9)
     assert busbw == pytest.approx(algbw * 1.5)
     assert check.bandwidths(1 << 20, 1.0, 1) == (pytest.approx(1.048576e-3),) * 2
-    message = ("Barrier timed out ... tasks: /job:worker/replica:0/task:2 and "
-               "/job:worker/replica:0/task:0 ... /job:worker/replica:0/task:9")
-    assert check.missing_ranks(message, world=4, rank=0) == [2]
 
 
 def test_check_on_two_workers(tmp_path):
@@ -89,6 +86,7 @@ def test_check_names_a_worker_that_cannot_join(tmp_path):
                 pass
     print(out[-2000:], err[-3000:])
     assert proc.returncode == check.EXIT_JOIN, err[-3000:]
-    assert "[rank 0] keras-comm-run --check: rank 0 of 2: rank(s) 1 did not join" in err
+    assert ("[rank 0] keras-comm-run --check: rank 0 of 2: rank(s) 1 did not join within 20 s"
+            in err)
     assert "keras-comm-run: worker rank 0 failed (exit code 3)" in err
     assert elapsed < 20 + 60, elapsed

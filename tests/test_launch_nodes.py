@@ -248,3 +248,18 @@ def test_a_master_addr_that_is_not_node_0s_is_named(tmp_path):
     assert proc.returncode == 2, err
     assert "--master-addr must be an address of node 0" in err
     assert f"Received: master_addr='192.0.2.1', master_port={port}" in err
+
+
+def test_a_master_name_that_never_resolves_is_named_within_the_timeout(tmp_path):
+    port = _free_port_block(3)
+    start = time.monotonic()
+    proc = _start(tmp_path, ["--nnodes", "2", "--node-rank", "1", "--master-addr",
+                             "no-such-host.invalid", "--allow-non-loopback", "--master-port",
+                             str(port), "--rendezvous-timeout", "3", "-n", "1", REPORT_ENV])
+    ((_, err),) = _finish([proc])
+    elapsed = time.monotonic() - start
+
+    assert proc.returncode == 2, err
+    assert "waiting for --master-addr no-such-host.invalid to resolve" in err
+    assert "Received: master_addr='no-such-host.invalid'" in err
+    assert elapsed < 3 + 10, elapsed
