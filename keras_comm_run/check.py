@@ -29,7 +29,6 @@ import time
 from keras_comm_run.cluster import address
 from keras_comm_run.cluster import socket_family as cluster_family
 
-_STARTED = time.monotonic()
 
 PROG = "keras-comm-run --check"
 SIZES_MB = (1, 16, 64)
@@ -71,7 +70,7 @@ def _chief_address():
 
 
 def join(world, rank, join_seconds):
-    """Every rank's seconds from its start to joining; exits EXIT_JOIN naming who did not join.
+    """When each rank joined (s after rank 0; on rank 0); exits EXIT_JOIN naming who did not.
 
     Before TensorFlow listens, rank 0 listens on its own TensorFlow port and
     every other rank reports there, so a missing rank is named (TensorFlow
@@ -82,14 +81,15 @@ def join(world, rank, join_seconds):
         return [0.0]
     host, port = _chief_address()
     deadline = time.monotonic() + join_seconds
-    since_start = time.monotonic() - _STARTED
     if rank == 0:
         with socket.socket(cluster_family(host), socket.SOCK_STREAM) as server:
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind((host, port))
             server.listen(world)
             server.settimeout(0.2)
-            peers, joined = {}, {0: since_start}
+            # When each rank arrived, in seconds after rank 0 began waiting.
+            waited = time.monotonic()
+            peers, joined = {}, {0: 0.0}
             while len(joined) < world and time.monotonic() < deadline:
                 try:
                     conn, _ = server.accept()
@@ -99,7 +99,7 @@ def join(world, rank, join_seconds):
                 try:
                     report = json.loads(conn.makefile().readline())
                     peers[report["rank"]] = conn
-                    joined[report["rank"]] = report["seconds"]
+                    joined[report["rank"]] = time.monotonic() - waited
                 except (OSError, ValueError, KeyError):
                     conn.close()
             missing = sorted(set(range(world)) - set(joined))
@@ -116,7 +116,7 @@ def join(world, rank, join_seconds):
         while answer is None:
             try:
                 with socket.create_connection((host, port), timeout=2) as conn:
-                    conn.sendall((json.dumps({"rank": rank, "seconds": since_start}) + "\n").encode())
+                    conn.sendall((json.dumps({"rank": rank}) + "\n").encode())
                     conn.settimeout(max(1.0, deadline - time.monotonic() + 10))
                     answer = json.loads(conn.makefile().readline())
                     joined = {}
@@ -226,7 +226,7 @@ def main():
               f"{'/'.join(str(_ITERATIONS[m]) for m in SIZES_MB)} runs; "
               f"busbw = algbw * 2(n-1)/n, n = {replicas}", flush=True)
         print(format_table(rows, replicas), flush=True)
-        print(f"slowest to join: rank {int(joins.argmax())} ({joins.max():.1f} s after its start)",
+        print(f"last to join: rank {int(joins.argmax())} ({joins.max():.2f} s after rank 0)",
               flush=True)
         if failed:
             print(f"{PROG}: FAILED: keras_comm's AllReduce layer differs from the raw collective "
