@@ -138,9 +138,9 @@ def _send_quietly(conn, obj):
 
 
 def _answer_all(server, nnodes, answer, told, deadline, interrupted):
-    """Answers each node that connects with `answer` until every node of
-    1..nnodes-1 has had it (or has reported itself), or the deadline."""
-    while not set(range(1, nnodes)) <= told and time.monotonic() < deadline and not interrupted():
+    """Answers each node that connects with `answer` until nnodes - 1 other
+    nodes (by the rank they report, valid or not) have had it, or the deadline."""
+    while len(told - {0}) < nnodes - 1 and time.monotonic() < deadline and not interrupted():
         try:
             conn, _ = server.accept()
         except socket.timeout:

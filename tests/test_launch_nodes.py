@@ -5,6 +5,7 @@ real Slurm cluster is tests/test_launch_slurm.py.
 """
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -28,6 +29,20 @@ def _free_port_block(size):
         except ValueError:
             continue
         return base
+    raise AssertionError("no free port block")
+
+
+def _slurm_job_port(size):
+    """(job id, its rendezvous port 15000 + id % 10000) with `size` free ports there."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(15000, 24999 - size)
+        try:
+            launch.pick_ports(size, base_port=port)
+        except ValueError:
+            continue
+        return port - 15000 + 10000 * random.randint(1, 9), port
     raise AssertionError("no free port block")
 
 
@@ -90,7 +105,7 @@ def test_hostlists_expand_as_tensorflow_expands_them(text):
 
 @pytest.mark.parametrize("text", ["n[1-2", "n[3-1]", "a,,b", "n]1["])
 def test_bad_hostlists_name_the_variable(text):
-    with pytest.raises(ValueError, match=rf"Received: SLURM_STEP_NODELIST={text!r}".replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(f"Received: SLURM_STEP_NODELIST={text!r}")):
         schedulers.expand_hostlist(text)
 
 
@@ -111,9 +126,9 @@ def test_slurm_step_reads_the_step_and_ignores_a_batch_script():
 
 
 def test_two_slurm_tasks_form_one_job_from_slurm_variables_alone(tmp_path):
-    port = _free_port_block(3)
+    job_id, port = _slurm_job_port(3)
     procs = [_start(tmp_path, ["--console-ranks", "all", "--timeout", "60", REPORT_ENV],
-                    _slurm_task(t, SLURM_JOB_ID=port - 15000)) for t in (1, 0)]
+                    _slurm_task(t, SLURM_JOB_ID=job_id)) for t in (1, 0)]
     outputs = _finish(procs)
 
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -197,9 +212,9 @@ def test_nnodes_that_differ_stop_every_node(tmp_path):
 
 def test_an_allocation_smaller_than_n_stops_every_task(tmp_path):
     # Task 1 has one CPU for two workers; task 0 is fine but hears of it.
-    port = _free_port_block(5)
-    envs = [_slurm_task(0, SLURM_JOB_ID=port - 15000, SLURM_CPUS_PER_TASK=2),
-            _slurm_task(1, SLURM_JOB_ID=port - 15000, SLURM_CPUS_PER_TASK=1)]
+    job_id, _ = _slurm_job_port(5)
+    envs = [_slurm_task(0, SLURM_JOB_ID=job_id, SLURM_CPUS_PER_TASK=2),
+            _slurm_task(1, SLURM_JOB_ID=job_id, SLURM_CPUS_PER_TASK=1)]
     start = time.monotonic()
     procs = [_start(tmp_path, ["-n", "2", "--rendezvous-timeout", str(RENDEZVOUS_TIMEOUT),
                                REPORT_ENV], env) for env in envs]

@@ -150,6 +150,7 @@ def slurm(tmp_path_factory):
 
 
 def _env(slurm, out_dir, **extra):
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     env = cluster_env(out_dir, extra)
     env["SLURM_CONF"] = slurm["SLURM_CONF"]
     for var in [v for v in env if v.startswith(("SLURM_", "SBATCH_", "SRUN_"))]:
@@ -158,6 +159,10 @@ def _env(slurm, out_dir, **extra):
     # The console script `keras-comm-run` of this Python, first on PATH.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
+
+
+def _tail(path, chars=3000):
+    return Path(path).read_text()[-chars:] if Path(path).exists() else f"(no {path})"
 
 
 def _results(out_dir, n):
@@ -176,6 +181,7 @@ def test_slurm_job_step_trains_like_one_process_and_a_killed_step_resumes_exactl
     if shutil.which("keras-comm-run", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("the keras-comm-run console script is not installed (pip install -e .)")
     # One process, no Slurm: the reference.
+    (tmp_path / "ref-out").mkdir()
     ref = subprocess.run(
         [*LAUNCHER, "-n", "1", "--timeout", "300", FIT, str(tmp_path / "ref")],
         env=cluster_env(tmp_path / "ref-out"), stdin=subprocess.DEVNULL,
@@ -222,7 +228,7 @@ def test_slurm_job_step_trains_like_one_process_and_a_killed_step_resumes_exactl
         assert job_id.isdigit(), (job_id, batch.stderr.read() if batch.poll() is not None else "")
         deadline = time.monotonic() + 300
         while not (state / "paused").exists():
-            assert batch.poll() is None, (Path(f"{tmp_path}/job.out").read_text()[-3000:])
+            assert batch.poll() is None, _tail(tmp_path / "job.out")
             assert time.monotonic() < deadline, "the first step never reached the pause"
             time.sleep(0.2)
         paused = json.loads((state / "paused").read_text())
@@ -235,7 +241,7 @@ def test_slurm_job_step_trains_like_one_process_and_a_killed_step_resumes_exactl
             subprocess.run(["scancel", job_id], env=_env(slurm, out), capture_output=True)
             batch.kill()
         batch.communicate()
-    job_out = Path(f"{tmp_path}/job.out").read_text()
+    job_out = _tail(tmp_path / "job.out", 100000)
     print(f"sbatch job {job_id}: exit {batch.returncode}\n{job_out[-3000:]}")
     assert batch.returncode == 0, job_out[-4000:]
     assert "step failed (attempt 1 of 2)" in job_out
