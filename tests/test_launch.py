@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import LAUNCHER, cluster_env, run_cluster, write_result
+from _cluster import LAUNCHER, cluster_env, free_port_block, run_cluster, write_result
 from keras_comm import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -614,26 +614,12 @@ def test_a_port_taken_before_tensorflow_binds_it_is_retried_with_new_ports(tmp_p
 # ---------------------------------------------------------------------------
 
 
-def _free_port_block(size):
-    """A port P with P..P+size-1 free (the rendezvous port and the workers')."""
-    for _ in range(100):
-        base = launch.pick_ports(1)[0]
-        if base + size > 65535:
-            continue
-        try:
-            launch.pick_ports(size, base_port=base)
-        except ValueError:
-            continue
-        return base
-    raise AssertionError("no free port block")
-
-
 def test_rendezvous_agrees_on_nodes_and_refuses_a_duplicate_node_rank():
     import threading
 
     from keras_comm_run.rendezvous import rendezvous
 
-    port = _free_port_block(1)
+    port = free_port_block(1)
     answers = {}
 
     def node(rank, workers):
@@ -678,7 +664,7 @@ def test_rendezvous_agrees_on_nodes_and_refuses_a_duplicate_node_rank():
 
 
 def _two_nodes(tmp_path, script, *args, workers=(1, 2), timeout=120, extra=()):
-    port = _free_port_block(1 + sum(workers))
+    port = free_port_block(1 + sum(workers))
     procs = []
     for node_rank, n in enumerate(workers):
         procs.append(

@@ -12,24 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import LAUNCHER, cluster_env
+from _cluster import LAUNCHER, cluster_env, free_port_block
 from keras_comm import launch
 from keras_comm_run import schedulers
 
 pytestmark = pytest.mark.multiprocess
 
 REPORT_ENV = str(Path(__file__).resolve().parent / "launch_scripts" / "report_env.py")
-
-
-def _free_port_block(size):
-    for _ in range(100):
-        base = launch.pick_ports(1)[0]
-        try:
-            launch.pick_ports(size, base_port=base)
-        except ValueError:
-            continue
-        return base
-    raise AssertionError("no free port block")
 
 
 def _slurm_job_port(size):
@@ -162,7 +151,7 @@ RENDEZVOUS_TIMEOUT = 30
 
 
 def _two_nodes(tmp_path, node_args, envs=(None, None)):
-    port = _free_port_block(4)
+    port = free_port_block(4)
     start = time.monotonic()
     procs = [
         _start(tmp_path, ["--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -231,7 +220,7 @@ def test_an_allocation_smaller_than_n_stops_every_task(tmp_path):
 
 
 def test_an_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path):
-    port = _free_port_block(3)
+    port = free_port_block(3)
     start = time.monotonic()
     proc = _start(tmp_path, ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                              "--master-port", str(port), "--rendezvous-timeout", "3", "-n", "1",
@@ -254,7 +243,7 @@ def test_an_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path):
 
 
 def test_a_master_addr_that_is_not_node_0s_is_named(tmp_path):
-    port = _free_port_block(3)
+    port = free_port_block(3)
     proc = _start(tmp_path, ["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1",
                              "--allow-non-loopback", "--master-port", str(port),
                              "--rendezvous-timeout", "3", "-n", "1", REPORT_ENV])
@@ -266,7 +255,7 @@ def test_a_master_addr_that_is_not_node_0s_is_named(tmp_path):
 
 
 def test_a_master_name_that_never_resolves_is_named_within_the_timeout(tmp_path):
-    port = _free_port_block(3)
+    port = free_port_block(3)
     start = time.monotonic()
     proc = _start(tmp_path, ["--nnodes", "2", "--node-rank", "1", "--master-addr",
                              "no-such-host.invalid", "--allow-non-loopback", "--master-port",
