@@ -30,7 +30,7 @@ def test_only_the_chief_reaches_the_console_by_default(tmp_path):
     assert proc.stdout == "[rank 0] stdout line from rank 0\n[rank 0] partial line from rank 0\n"
     assert "[rank 0] stderr line from rank 0\n" in proc.stderr
     assert "[rank 1]" not in proc.stderr and "[rank 2]" not in proc.stderr
-    assert ("keras-comm-run: the console shows rank(s) 0; the output of rank(s) 1-2 is not kept "
+    assert ("keras-comm-run: the console shows rank(s) 0; the output of rank(s) 1,2 is not kept "
             "(--log-dir DIR keeps it); --console-ranks all shows every rank.") in proc.stderr
 
     # With --log-dir every rank's output is in its file, and the note says where.
