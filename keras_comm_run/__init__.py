@@ -2,8 +2,9 @@
 
 `keras-comm-run -n N script.py [args...]` starts N copies of a Python script
 (or module), each with the `TF_CONFIG` that
-`tf.distribute.MultiWorkerMirroredStrategy` reads, forwards their output live
-with each line prefixed by the worker's rank, and tears the whole job down as
+`tf.distribute.MultiWorkerMirroredStrategy` reads, forwards the chief's output
+live (every rank's with `--console-ranks all`, each line prefixed by the
+worker's rank), and tears the whole job down as
 soon as one worker fails, the launcher is interrupted, or a timeout expires;
 optionally it restarts the job, spans several nodes, pins GPUs and writes
 per-rank logs (`keras-comm-run --help`).
@@ -16,10 +17,14 @@ library, so starting the launcher never imports TensorFlow (importing any
 - `cluster`: addresses, ports, TF_CONFIG and each worker's environment
   (pure; `keras_comm.topology` uses its `validate_tf_config`);
 - `rendezvous`: how the nodes of a several-node job agree on the cluster;
+- `schedulers`: what Slurm and Kubernetes tell the launcher (node rank,
+  node count, node 0's address);
 - `output`: live, prefixed, filtered and logged forwarding of worker output;
 - `supervisor`: `run`, which starts, watches, stops and restarts workers;
 - `bootstrap`: how a worker runs the script so that SIGTERM stops it cleanly;
-- `cli`: the command line.
+- `cli`: the command line;
+- `check`: the workers of `keras-comm-run --check` (they import
+  TensorFlow; the launcher never imports this module).
 
 Example:
 

@@ -3,7 +3,11 @@
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
+from keras_comm_run import cluster
+from keras_comm_run import rendezvous
+from keras_comm_run import schedulers
 from keras_comm_run.cluster import LaunchError
 from keras_comm_run.supervisor import EXIT_TIMEOUT
 from keras_comm_run.supervisor import PROG
@@ -47,13 +51,17 @@ several nodes (torchrun style; run the same command on every node):
   docs/cluster.md.
 
 output:
-  Worker output is forwarded as it is written: each line (and each line a
-  progress bar redraws with '\\r') starts with "[rank g] "; stdout to stdout,
-  stderr to stderr. --no-prefix prints the text unchanged. --progress chief
-  (default) keeps the other ranks' redrawn lines (their progress bars) off
-  the console; --console-ranks limits the console to some ranks; --log-dir
-  DIR writes every rank's output, unfiltered, to DIR/rank<g>.stdout.log and
-  DIR/rank<g>.stderr.log.
+  Only the chief's (rank 0's) output reaches the console by default, as
+  with tf-keras: --console-ranks all shows every rank's, --console-ranks
+  0,2 some. --log-dir DIR writes every rank's output, unfiltered, to
+  DIR/rank<g>.stdout.log and DIR/rank<g>.stderr.log. When a rank kept off
+  the console fails, the end of its stderr (from its last Python traceback
+  on) is shown, each line prefixed with "[rank g] ". Output is forwarded as
+  it is written: each line (and each line a progress bar redraws with
+  '\\r') starts with "[rank g] "; stdout to stdout, stderr to stderr.
+  --no-prefix prints the text unchanged. With several ranks on the
+  console, --progress chief (default) keeps the other ranks' redrawn lines
+  (their progress bars) off it.
 
 restarts:
   --max-restarts K: when a worker fails, or no worker writes anything for
@@ -88,12 +96,26 @@ exit status:
            (Linux).
   2        bad launcher arguments, a busy port or a failed rendezvous
 
-other cluster managers:
-  - Slurm: tf.distribute.cluster_resolver.SlurmClusterResolver() passed to
-    MultiWorkerMirroredStrategy(cluster_resolver=...) under srun;
-  - Kubernetes: a controller that sets TF_CONFIG per pod (e.g. Kubeflow's
-    TFJob).
+schedulers:
+  - Slurm: `srun keras-comm-run script.py` (or the same line in an sbatch
+    script): each task is one node of the job; the launcher reads
+    SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_STEP_NODELIST as
+    TensorFlow's SlurmClusterResolver does, takes the step's first node as
+    --master-addr, 15000 + the job id's last 4 digits as --master-port and
+    -n 1, unless given; -n above the task's CPUs is refused.
+  - Kubernetes: an Indexed Job, one pod per node, each running the same
+    keras-comm-run --nnodes N --master-addr <job>-0.<service> line; the
+    node rank is JOB_COMPLETION_INDEX (examples/cluster/kubernetes.yaml).
+  Bad input on any node (a node rank out of range, too small an
+  allocation) is sent to node 0, which stops every node with it.
   Keep the cluster network isolated: the gRPC port accepts any client.
+
+check:
+  --check (no script) runs an all-reduce of 1, 16 and 64 MB across every
+  worker instead, prints the time, algbw and busbw (nccl-tests) per size
+  and the slowest rank, and checks keras_comm's AllReduce layer against
+  the raw collective; exit 3 naming the rank(s) that did not join within
+  --rendezvous-timeout, 1 if a result differs.
 """
 
 
@@ -117,7 +139,8 @@ def _build_parser():
     )
     add = parser.add_argument
     add("-n", "--num-workers", type=int, default=None, metavar="N",
-        help="number of worker processes on this node (>= 1)")
+        help="number of worker processes on this node (>= 1; in a Slurm job step: 1 "
+             "per task by default)")
     add("--host", default="127.0.0.1",
         help="address the workers reach each other at, one node (default: 127.0.0.1)")
     add("--allow-non-loopback", action="store_true",
@@ -129,23 +152,30 @@ def _build_parser():
         help=f"stop all workers after SECONDS and exit {EXIT_TIMEOUT}")
     add("--no-prefix", dest="prefix", action="store_false",
         help='do not prefix output lines with "[rank g] "')
-    add("--nnodes", type=int, default=1, metavar="N",
-        help="number of nodes, each running this launcher (default: 1)")
-    add("--node-rank", type=int, default=0, metavar="K", help="this node's index (0..N-1)")
-    add("--master-addr", default="127.0.0.1", metavar="HOST",
-        help="node 0's address, reachable from every node (default: 127.0.0.1)")
+    add("--nnodes", type=int, default=None, metavar="N",
+        help="number of nodes, each running this launcher (default: 1; in a Slurm job "
+             "step: its number of tasks)")
+    add("--node-rank", type=int, default=None, metavar="K",
+        help="this node's index, 0..N-1 (default: 0; SLURM_PROCID in a Slurm job step, "
+             "JOB_COMPLETION_INDEX in a Kubernetes Indexed Job)")
+    add("--master-addr", default=None, metavar="HOST",
+        help="node 0's address, reachable from every node (default: 127.0.0.1; in a "
+             "Slurm job step: the step's first node)")
     add("--master-port", type=int, default=None, metavar="P",
-        help="rendezvous port on node 0; worker g listens on P+1+g")
+        help="rendezvous port on node 0; worker g listens on P+1+g (in a Slurm job: "
+             "15000 + the job id's last 4 digits by default)")
     add("--rendezvous-timeout", type=float, default=300.0, metavar="SECONDS",
-        help="how long to wait for every node (default: 300)")
+        help="how long to wait for every node, and with --check for every worker "
+             "(default: 300)")
     add("--max-restarts", type=int, default=0, metavar="K",
         help="restart the whole job up to K times after a failure or stall")
     add("--stall-timeout", type=float, default=None, metavar="SECONDS",
         help="a job with no output from any worker for SECONDS has stalled")
     add("--log-dir", default=None, metavar="DIR",
         help="also write each rank's stdout/stderr to DIR/rank<g>.{stdout,stderr}.log")
-    add("--console-ranks", default="all", metavar="RANKS",
-        help='ranks shown on the console: "all" (default), "none" or e.g. "0,2"')
+    add("--console-ranks", default="0", metavar="RANKS",
+        help='ranks whose output reaches the console: "0" (default: the chief), "all", '
+             '"none" or e.g. "0,2"; a failed rank\'s error is always shown')
     add("--progress", choices=("chief", "all"), default="chief",
         help="whose progress bars ('\\r' redraws) reach the console (default: chief)")
     add("--gpus-per-worker", type=int, default=None, metavar="G",
@@ -153,6 +183,10 @@ def _build_parser():
              "visible; 0: no pinning)")
     add("-H", "--hosts", default=None, metavar="HOSTS",
         help="not supported: run the launcher on each host with --nnodes (see below)")
+    add("--check", action="store_true",
+        help="instead of a script, check the cluster: all-reduce 1/16/64 MB across every "
+             "worker, print the bus bandwidth and the slowest rank, and check keras_comm's "
+             "AllReduce layer against the raw collective (the first command on a new cluster)")
     add("-m", dest="module", metavar="module",
         help="run a module as a script, like `python -m` (must come last)")
     return parser
@@ -207,6 +241,96 @@ def _parse_console_ranks(parser, text):
     return ranks
 
 
+class _Settings(NamedTuple):
+    """The several-node settings, and where each came from (for messages)."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: object
+    origin: dict
+    slurm: object
+
+
+def _cluster_settings(args, env):
+    """Fills what the command line leaves out from Slurm or Kubernetes.
+
+    Inside a Slurm job step every task is a node: `--nnodes` defaults to the
+    step's task count, `--node-rank` to `SLURM_PROCID`, `--master-addr` to
+    the step's first node, `--master-port` to a port derived from the job id
+    and `-n` to 1. In a Kubernetes Indexed Job `--node-rank` defaults to
+    `JOB_COMPLETION_INDEX`. An option given on the command line always wins.
+    """
+    slurm = schedulers.slurm_step(env)
+    origin = {}
+
+    def pick(name, given, *candidates):
+        if given is not None:
+            origin[name] = f"--{name.replace('_', '-')} {given}"
+            return given
+        for value, source in candidates:
+            if value is not None:
+                origin[name] = f"{source}={value}" if source else str(value)
+                return value
+        raise AssertionError(name)
+
+    nnodes = pick("nnodes", args.nnodes,
+                  (slurm and slurm.num_tasks, "the Slurm step's task count"), (1, None))
+    index = schedulers.kubernetes_node_rank(env) if nnodes > 1 else None
+    node_rank = pick("node_rank", args.node_rank,
+                     (slurm and slurm.task, "SLURM_PROCID"),
+                     (index, schedulers.KUBERNETES_INDEX_VAR), (0, None))
+    several = slurm is not None and nnodes > 1
+    master_addr = pick("master_addr", args.master_addr,
+                       (several and slurm.master_addr or None, "the Slurm step's first node"),
+                       ("127.0.0.1", None))
+    master_port = args.master_port
+    if master_port is None and several:
+        master_port = slurm.default_master_port
+    if args.num_workers is None and slurm is not None:
+        args.num_workers = 1
+    return _Settings(nnodes, node_rank, master_addr, master_port, origin, slurm)
+
+
+def _problem_for_every_node(args, settings):
+    """Bad input that the other nodes must hear of too, or None."""
+    if settings.nnodes < 1:
+        return f"--nnodes must be >= 1. Received: {settings.origin['nnodes']}"
+    if not 0 <= settings.node_rank < settings.nnodes:
+        return (
+            f"the node rank must be in 0..{settings.nnodes - 1} ({settings.origin['nnodes']}). "
+            f"Received: {settings.origin['node_rank']}"
+        )
+    slurm = settings.slurm
+    if slurm is not None and args.num_workers > slurm.cpus_per_task:
+        return (
+            f"-n {args.num_workers} workers need at least one CPU each, but Slurm gives this "
+            f"task {slurm.cpus_per_task} ({slurm.cpus_source}); ask Slurm for "
+            f"--cpus-per-task={args.num_workers} or lower -n. Received: -n {args.num_workers}"
+        )
+    return None
+
+
+def _tell_every_node(args, settings, problem):
+    """Sends a node's own bad input to the rendezvous so every node stops with it."""
+    port = settings.master_port
+    if settings.nnodes < 2 or not isinstance(port, int) or not 1 <= port <= 65535:
+        return
+    try:
+        cluster.check_host(settings.master_addr, args.allow_non_loopback, "master_addr")
+    except LaunchError:
+        return
+    sys.stderr.write(f"{PROG}: telling the other nodes why this node cannot start "
+                     f"(at most {args.rendezvous_timeout:g} s, --rendezvous-timeout).\n")
+    sys.stderr.flush()
+    if settings.node_rank == 0:
+        rendezvous.refuse(settings.master_addr, port, settings.nnodes, problem,
+                          args.rendezvous_timeout)
+    else:
+        rendezvous.report_failure(settings.master_addr, port, settings.nnodes,
+                                  settings.node_rank, problem, args.rendezvous_timeout)
+
+
 def main(argv=None):
     """Console entry point. Returns the exit status (see `--help`)."""
     parser = _build_parser()
@@ -221,6 +345,10 @@ def main(argv=None):
             "script.py` on each host instead (see docs/cluster.md). "
             f"Received: -H {args.hosts}"
         )
+    try:
+        settings = _cluster_settings(args, os.environ)
+    except LaunchError as e:
+        parser.error(str(e))
     if args.num_workers is None:
         parser.error("the following arguments are required: -n/--num-workers")
     if args.num_workers < 1:
@@ -234,13 +362,34 @@ def main(argv=None):
             f"--base-port must be 0 or a port with PORT+N-1 <= 65535. "
             f"Received: --base-port {args.base_port}"
         )
-    if args.nnodes > 1 and args.master_port is None:
-        parser.error(f"--master-port is required with --nnodes. Received: --nnodes {args.nnodes}")
+    if settings.nnodes > 1 and settings.master_port is None:
+        parser.error(f"--master-port is required with --nnodes. Received: --nnodes {settings.nnodes}")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0. Received: --max-restarts {args.max_restarts}")
+    problem = _problem_for_every_node(args, settings)
+    if problem:
+        _tell_every_node(args, settings, problem)
+        parser.error(problem)
     console_ranks = _parse_console_ranks(parser, args.console_ranks)
+    env = None
+    if args.check:
+        # Imported here: a worker running `-m keras_comm_run.check` imports
+        # this package first, which must not have imported that module.
+        from keras_comm_run import check
+
+        if command:
+            parser.error(
+                "--check runs its own workers and takes no script. "
+                f"Received: {' '.join(command)!r}"
+            )
+        command = ["-m", "keras_comm_run.check"]
+        # The check's workers give up joining after the rendezvous timeout.
+        env = {check.JOIN_SECONDS_VAR: f"{args.rendezvous_timeout:g}"}
+    note = schedulers.batch_script_note()
+    if note:
+        sys.stderr.write(f"{PROG}: note: {note}\n")
     if not command:
-        parser.error("a script (or -m module) to run is required.")
+        parser.error("a script (or -m module) to run is required, or --check.")
     if command[0] == "-m" and (len(command) < 2 or not command[1]):
         parser.error("-m must be followed by a module name. Received: -m")
     if command[0] != "-m" and not os.path.isfile(command[0]):
@@ -250,15 +399,16 @@ def main(argv=None):
         return run(
             command,
             args.num_workers,
+            env=env,
             host=args.host,
             allow_non_loopback=args.allow_non_loopback,
             timeout=args.timeout,
             prefix=args.prefix,
             base_port=args.base_port,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
+            nnodes=settings.nnodes,
+            node_rank=settings.node_rank,
+            master_addr=settings.master_addr,
+            master_port=settings.master_port,
             rendezvous_timeout=args.rendezvous_timeout,
             max_restarts=args.max_restarts,
             stall_timeout=args.stall_timeout,

@@ -33,6 +33,10 @@ class LaunchError(ValueError):
     """Launcher input that cannot be run (bad host, busy port, ...)."""
 
 
+class UnresolvedHost(LaunchError):
+    """A host name that does not resolve (yet)."""
+
+
 # ---------------------------------------------------------------------------
 # Addresses.
 # ---------------------------------------------------------------------------
@@ -47,7 +51,7 @@ def resolve_host(host, name="host"):
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        raise LaunchError(
+        raise UnresolvedHost(
             f"`{name}` must be an IP address or a resolvable host name "
             f"({e}). Received: {name}={host!r}"
         ) from None

@@ -5,10 +5,12 @@ so a progress bar redrawn with '\\r' reaches the terminal as it is drawn.
 Every line (and every '\\r'-redrawn line) starts with `[rank i] `. Lines of
 several workers never run into each other: when another worker writes while
 a line is unfinished, that line is ended first and continues later under a
-fresh prefix.
+fresh prefix. A pipe kept off the console still remembers its last lines
+(`Forwarder.tail`), from which the launcher shows a failed worker's error.
 """
 
 import codecs
+import collections
 import os
 import threading
 import time
@@ -82,14 +84,19 @@ class Forwarder:
 
     Args:
         console: a Console, or None to keep this pipe off the terminal.
-        prefix: text put before each line on the console.
+        prefix: text put before each line on the console (and on the
+            kept tail).
         log_file: a binary file that receives the bytes unchanged, or None.
         redraws: False to drop '\\r'-redrawn lines (another worker's progress
             bar) from the console; the log file keeps them.
         activity: a callable run on each read (stall detection).
+        keep_lines: for a pipe kept off the console, how many of its last
+            lines to remember (`tail`), so that a failed worker's error can
+            still be shown; 0 keeps none.
     """
 
-    def __init__(self, pipe, console, prefix, log_file=None, redraws=True, activity=None):
+    def __init__(self, pipe, console, prefix, log_file=None, redraws=True, activity=None,
+                 keep_lines=0):
         self.pipe = pipe
         self.console = console
         self.prefix = prefix
@@ -101,6 +108,9 @@ class Forwarder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._tail = ""
         self.port_clash = False
+        self.keep_lines = keep_lines
+        self._kept = collections.deque(maxlen=keep_lines or 1)
+        self._kept_partial = ""
         self.thread = threading.Thread(target=self._run, name="keras-comm-run output", daemon=True)
 
     def start(self):
@@ -146,6 +156,8 @@ class Forwarder:
             self.port_clash = True
         self._tail = window[-64:]
         if self.console is None:
+            if self.keep_lines:
+                self._keep(text)
             return
         with self.console.lock:
             if getattr(self, "line_ended_for_it", False):
@@ -166,6 +178,21 @@ class Forwarder:
                 out = "".join(pieces)
                 self.console.write(out)
                 self.console.state["open"] = None if out.endswith("\n") else self
+
+    def _keep(self, text):
+        # A '\r' redraw replaces the line it redraws, as a terminal shows it.
+        lines = (self._kept_partial + text).split("\n")
+        self._kept_partial = lines.pop()
+        for line in lines:
+            self._kept.append(line.rsplit("\r", 1)[-1])
+
+    def tail(self):
+        """The last lines (at most `keep_lines`) of a pipe kept off the console."""
+        lines = list(self._kept)
+        partial = self._kept_partial.rsplit("\r", 1)[-1]
+        if partial:
+            lines.append(partial)
+        return lines[-self.keep_lines :] if self.keep_lines else []
 
     def _piece(self, pieces, run, end):
         """Appends `run` followed by the control character `end` to `pieces`."""

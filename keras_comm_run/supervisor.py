@@ -38,6 +38,10 @@ _DRAIN_SECONDS = 3.0
 # moment between the check and TensorFlow's bind) restarts the job with new
 # ports, at most this many times, without counting as a restart.
 _PORT_RETRIES = 3
+# A hidden rank's stderr: the lines remembered, and the lines shown of a
+# failure without a Python traceback.
+_KEPT_ERROR_LINES = 400
+_SHOWN_ERROR_LINES = 30
 
 
 def describe_status(returncode):
@@ -101,7 +105,9 @@ class _Job:
         # signalled again (see `note_exits`).
         self._gone = set()
         self.ranks = ranks
+        self.failed_ranks = []
         self.forwarders = []
+        self._stderr = {}
         self.files = []
         self.last_activity = time.monotonic()
         preexec_fn = _parent_death_signal()
@@ -126,6 +132,8 @@ class _Job:
             for rank, proc in zip(ranks, self.procs):
                 for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                     forwarder = view.forwarder(pipe, rank, name, self._active)
+                    if name == "stderr":
+                        self._stderr[rank] = forwarder
                     self.forwarders.append(forwarder)
                     if forwarder.log_file is not None:
                         self.files.append(forwarder.log_file)
@@ -135,6 +143,9 @@ class _Job:
             raise
         for forwarder in self.forwarders:
             forwarder.start()
+
+    def stderr_forwarder(self, rank):
+        return self._stderr.get(rank)
 
     def _active(self):
         self.last_activity = time.monotonic()
@@ -235,7 +246,30 @@ class _View:
             log_file=log_file,
             redraws=self.progress == "all" or rank == 0,
             activity=activity,
+            keep_lines=_KEPT_ERROR_LINES if console is None and name == "stderr" else 0,
         )
+
+    def hidden_errors(self, job):
+        """Shows the error of each failed rank whose stderr was off the console.
+
+        From the last Python traceback on, or else the last lines, always
+        prefixed with the rank (even with --no-prefix: unlabelled lines
+        from a worker the console never showed would be unreadable).
+        """
+        for rank in job.failed_ranks:
+            forwarder = job.stderr_forwarder(rank)
+            if forwarder is None or forwarder.console is not None:
+                continue
+            lines = forwarder.tail()
+            starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+            lines = lines[starts[-1]:] if starts else lines[-_SHOWN_ERROR_LINES:]
+            if not lines:
+                continue
+            self.err.write_line(
+                f"{PROG}: rank {rank}'s output is off the console (--console-ranks); "
+                f"the end of its stderr:"
+            )
+            self.err.write_line("\n".join(f"[rank {rank}] {line}" for line in lines))
 
 
 class _SignalCatcher:
@@ -415,7 +449,9 @@ def run(
         log_dir: directory receiving `rank<g>.stdout.log` and
             `rank<g>.stderr.log` per worker (appended to across restarts).
         console_ranks: global ranks whose output reaches the console (None:
-            all). The log files get every rank.
+            all; the command line's default is `(0,)`, the chief). The log
+            files get every rank; a hidden rank that fails has the end of
+            its stderr shown.
         progress: "chief" shows only rank 0's '\\r'-redrawn lines (progress
             bars) on the console; "all" shows every rank's.
         gpus_per_worker: GPUs pinned to each worker with CUDA_VISIBLE_DEVICES,
@@ -453,7 +489,8 @@ def run(
 
     with _SignalCatcher() as catcher:
         if nnodes > 1:
-            cluster.check_host(master_addr, allow_non_loopback, "master_addr")
+            _wait_for_master_name(master_addr, allow_non_loopback, rendezvous_timeout,
+                                  lambda: bool(catcher.received), view.err)
             nodes = rendezvous(
                 master_addr, master_port, nnodes, node_rank, num_workers,
                 rendezvous_timeout, interrupted=lambda: bool(catcher.received),
@@ -487,9 +524,39 @@ def run(
         )
 
 
+def _wait_for_master_name(master_addr, allow_non_loopback, timeout, interrupted, err):
+    """Checks `master_addr`, waiting (at most `timeout` s) for its name to resolve.
+
+    Node 0's DNS name may appear only once node 0's pod exists (a
+    Kubernetes pod's name under its headless Service), on any node.
+    """
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            return cluster.check_host(master_addr, allow_non_loopback, "master_addr")
+        except cluster.UnresolvedHost:
+            if time.monotonic() > deadline or interrupted():
+                raise
+            if not said:
+                err.write_line(f"{PROG}: waiting for --master-addr {master_addr} to resolve "
+                               f"(at most {timeout:g} s, --rendezvous-timeout).")
+                said = True
+            time.sleep(1.0)
+
+
 def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_rank, gpus,
                         view, catcher, timeout, stall_timeout, max_restarts, picked):
     err = view.err
+    hidden = [r for r in range(first_rank, first_rank + num_workers)
+              if view.console_ranks is not None and r not in view.console_ranks]
+    if hidden:
+        where = (f"in {view.log_dir}" if view.log_dir is not None
+                 else "not kept (--log-dir DIR keeps it)")
+        err.write_line(
+            f"{PROG}: the console shows rank(s) {_ranks_text(view.console_ranks)}; the output "
+            f"of rank(s) {_ranks_text(hidden)} is {where}; --console-ranks all shows every rank."
+        )
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
     port_retries = 0
@@ -512,6 +579,7 @@ def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_
             if job.running():
                 job.stop(signal.SIGKILL, grace=0.0)
         job.drain()
+        view.hidden_errors(job)
         if message:
             err.write_line(message)
         if not retry:
@@ -535,6 +603,15 @@ def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_
         )
 
 
+def _ranks_text(ranks):
+    ranks = sorted(ranks)
+    if not ranks:
+        return "none"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
+
+
 def _supervise(job, catcher, deadline, timeout, stall_timeout):
     """Waits for one attempt to finish, fail, stall, time out or be interrupted.
 
@@ -553,6 +630,10 @@ def _supervise(job, catcher, deadline, timeout, stall_timeout):
             code = proc.poll()
             if code is not None and code != 0:
                 exit_code, text = describe_status(code)
+                # Every rank that had failed by now, before the stop below.
+                job.failed_ranks = [
+                    r for r, p in zip(job.ranks, job.procs) if p.poll() not in (None, 0)
+                ]
                 # Ctrl-C while stopping skips the grace period; the exit code
                 # stays the failed worker's.
                 stopped = job.stop(signal.SIGTERM, should_escalate=lambda: bool(catcher.received))

@@ -134,12 +134,30 @@ def cluster_env(out_dir, env=None):
 LAUNCHER = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "keras_comm_run"]
 
 
+def free_port_block(size):
+    """A port P with P..P+size-1 free: a rendezvous port and its workers' ports."""
+    import keras_comm_run
+
+    for _ in range(100):
+        base = keras_comm_run.pick_ports(1)[0]
+        if base + size > 65535:
+            continue
+        try:
+            keras_comm_run.pick_ports(size, base_port=base)
+        except ValueError:
+            continue
+        return base
+    raise AssertionError("no free port block")
+
+
 def launcher_command(script, num_workers, *args, timeout=300, launcher_args=()):
     """The argv `run_cluster` runs: `python -m keras_comm_run ...`."""
     return [
         *LAUNCHER,
         "-n", str(num_workers),
         "--timeout", str(timeout),
+        # Every rank's output, for the checks and for a failure's report.
+        "--console-ranks", "all",
         *[str(a) for a in launcher_args],
         _resolve_script(script),
         *[str(a) for a in args],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from _cluster import LAUNCHER, REPO_DIR, cluster_env, run_cluster, write_result
+from _cluster import LAUNCHER, REPO_DIR, cluster_env, free_port_block, run_cluster, write_result
 from keras_comm import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -83,7 +83,8 @@ def _wait_for_files(out_dir, num_workers, timeout=20):
 
 
 def test_success_prefixes_lines_and_sets_tf_config_per_rank(tmp_path):
-    proc = _launch(tmp_path, "-n", "3", REPORT_ENV, "--flag", "-n", "7", "--timeout", "x")
+    proc = _launch(tmp_path, "-n", "3", "--console-ranks", "all", REPORT_ENV,
+                   "--flag", "-n", "7", "--timeout", "x")
 
     assert proc.returncode == 0, proc.stderr
     for r in range(3):
@@ -134,7 +135,8 @@ def test_documented_entry_points(tmp_path, entry):
     )
 
     assert proc.returncode == 0, proc.stderr
-    assert "[rank 1] stdout line from rank 1" in proc.stdout
+    assert "[rank 0] stdout line from rank 0" in proc.stdout
+    assert len(_results(tmp_path, 2)) == 2
 
 
 def test_module_form(tmp_path):
@@ -142,7 +144,7 @@ def test_module_form(tmp_path):
     proc = _launch(tmp_path, "-n", "2", "-m", "launcher.report_env", "--epochs", "1")
 
     assert proc.returncode == 0, proc.stderr
-    assert "[rank 1] stdout line from rank 1" in proc.stdout
+    assert "[rank 0] stdout line from rank 0" in proc.stdout
     assert [r["argv"] for r in _results(tmp_path, 2)] == [["--epochs", "1"]] * 2
 
 
@@ -508,7 +510,8 @@ def _read_until(proc, needle, timeout=30):
 def test_progress_bars_pass_through_live_chief_only_and_logs_keep_everything(tmp_path):
     go, logs = tmp_path / "go", tmp_path / "logs"
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", "--log-dir", str(logs), PROGRESS, str(go)],
+        [*LAUNCHER, "-n", "2", "--console-ranks", "all", "--log-dir", str(logs), PROGRESS,
+         str(go)],
         env=cluster_env(tmp_path), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
@@ -611,26 +614,12 @@ def test_a_port_taken_before_tensorflow_binds_it_is_retried_with_new_ports(tmp_p
 # ---------------------------------------------------------------------------
 
 
-def _free_port_block(size):
-    """A port P with P..P+size-1 free (the rendezvous port and the workers')."""
-    for _ in range(100):
-        base = launch.pick_ports(1)[0]
-        if base + size > 65535:
-            continue
-        try:
-            launch.pick_ports(size, base_port=base)
-        except ValueError:
-            continue
-        return base
-    raise AssertionError("no free port block")
-
-
 def test_rendezvous_agrees_on_nodes_and_refuses_a_duplicate_node_rank():
     import threading
 
     from keras_comm_run.rendezvous import rendezvous
 
-    port = _free_port_block(1)
+    port = free_port_block(1)
     answers = {}
 
     def node(rank, workers):
@@ -675,7 +664,7 @@ def test_rendezvous_agrees_on_nodes_and_refuses_a_duplicate_node_rank():
 
 
 def _two_nodes(tmp_path, script, *args, workers=(1, 2), timeout=120, extra=()):
-    port = _free_port_block(1 + sum(workers))
+    port = free_port_block(1 + sum(workers))
     procs = []
     for node_rank, n in enumerate(workers):
         procs.append(
@@ -700,7 +689,8 @@ def _two_nodes(tmp_path, script, *args, workers=(1, 2), timeout=120, extra=()):
 
 
 def test_two_nodes_get_one_consistent_cluster(tmp_path):
-    port, procs, outputs = _two_nodes(tmp_path, REPORT_ENV, timeout=60)
+    port, procs, outputs = _two_nodes(tmp_path, REPORT_ENV, timeout=60,
+                                      extra=("--console-ranks", "all"))
 
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "[rank 0] stdout line from rank 0" in outputs[0][0]
@@ -721,8 +711,8 @@ def test_two_nodes_get_one_consistent_cluster(tmp_path):
     "argv, message",
     [
         (["--nnodes", "2", "-n", "1", REPORT_ENV], "--master-port is required with --nnodes"),
-        (["--nnodes", "2", "--node-rank", "2", "--master-port", "20000", "-n", "1", REPORT_ENV],
-         "Received: node_rank=2"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "20000", "--rendezvous-timeout",
+          "1", "-n", "1", REPORT_ENV], "Received: --node-rank 2"),
         (["--nnodes", "2", "--master-port", "20000", "--master-addr", "192.0.2.1", "-n", "1",
           REPORT_ENV], "Received: master_addr='192.0.2.1'"),
         (["--nnodes", "2", "--master-port", "20000", "--max-restarts", "1", "-n", "1", REPORT_ENV],
