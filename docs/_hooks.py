@@ -13,6 +13,8 @@ marker of performance.md with links to that page and the plots when they
 exist, and with instructions to generate them when they do not. The plots
 are never drawn by hand.
 
+Changelog. The repository's CHANGELOG.md becomes the site's changelog.md page.
+
 Results. Every measured figure a guide quotes lives in one file,
 docs/results/NAME.json: a title, the date, the machine, the command that
 reproduces it, the columns and the rows. A page shows it with
@@ -62,8 +64,13 @@ def on_config(config):
     return config
 
 
+CHANGELOG = Path(__file__).resolve().parent.parent / "CHANGELOG.md"
+
+
 def on_files(files, config):
     files.append(File.generated(config, MATHJAX_SITE_PATH, abs_src_path=str(_mathjax_file())))
+    # The repository's CHANGELOG.md, shown as a page of the site (one file, two places).
+    files.append(File.generated(config, "changelog.md", content=CHANGELOG.read_text()))
     return files
 
 
@@ -99,7 +106,7 @@ def _results_markdown():
             "!!! note \"No measured results in this build\"\n"
             "    docs/performance/ is empty: generate it on the machine you care about with\n"
             "    `python -m benchmarks.run --workers 2 --out results/ --docs`\n"
-            "    (add `--quick` for a five-minute run), then rebuild the docs.\n"
+            "    (add `--quick` for a shorter run), then rebuild the docs.\n"
         )
     lines = []
     if page.exists():

@@ -45,7 +45,19 @@ def _findings(text):
     return found
 
 
-@pytest.mark.parametrize("page", USER_PAGES, ids=[str(p.relative_to(REPO_DIR)) for p in USER_PAGES])
+# Pages being rewritten elsewhere, expected to pass once that rewrite lands
+# (delete the entry then: strict=True makes a pass without deleting it fail).
+BEING_REWRITTEN = {"docs/architecture.md": "cites an issue of ours; its rewrite replaces the page"}
+
+
+def _page_params():
+    for page in USER_PAGES:
+        name = str(page.relative_to(REPO_DIR))
+        marks = [pytest.mark.xfail(reason=BEING_REWRITTEN[name], strict=True)] if name in BEING_REWRITTEN else []
+        yield pytest.param(page, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("page", _page_params())
 def test_user_page_reads_as_documentation_not_a_diary(page):
     found = _findings(page.read_text())
     assert not found, (
