@@ -73,18 +73,7 @@ def build_model(hidden, learning_rate, seed):
             keras.layers.Dense(10),
         ]
     )
-    return compile_model(model, learning_rate)
-
-
-def compile_model(model, learning_rate):
-    import keras
-
-    model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return _common.compile_classifier(model, learning_rate)
 
 
 def main(argv=None):
@@ -99,14 +88,8 @@ def main(argv=None):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
-    if args.batch_size % n:
-        raise SystemExit(f"--batch-size must be divisible by the {n} replicas. Received: {args.batch_size}")
-    # Equal shares per replica: fully sharded layers need them.
-    train = _common.global_batches(x_train, y_train, args.batch_size, drop_remainder=True)
-    keep = len(x_test) - len(x_test) % n
-    test = _common.global_batches(x_test[:keep], y_test[:keep], keep)
-    steps = len(x_train) // args.batch_size
+    train_samples, train, test = _common.equal_share_digits(args, n)
+    steps = train_samples // args.batch_size
     epoch, step = args.interrupt_at or (args.epochs // 2, steps // 2)
     if not (0 <= epoch < args.epochs and 0 <= step < steps):
         raise SystemExit(
@@ -125,7 +108,7 @@ def main(argv=None):
         plain = build_model(args.hidden, args.learning_rate, seed)
         with strategy.scope():
             if args.fully_shard:
-                return plain, compile_model(keras_comm.parallel.fully_shard(plain), args.learning_rate)
+                return plain, _common.compile_classifier(keras_comm.parallel.fully_shard(plain), args.learning_rate)
             return plain, build_model(args.hidden, args.learning_rate, seed)
 
     def callbacks():
@@ -149,7 +132,7 @@ def main(argv=None):
 
     reference, model = make_model(args.seed)
     if chief:
-        print(f"Training on {len(x_train)} digits with {n} replicas; a backup every "
+        print(f"Training on {train_samples} digits with {n} replicas; a backup every "
               f"{args.save_freq} steps, stopping after step {step} of epoch {epoch}.", flush=True)
     try:
         model.fit(train, epochs=args.epochs, shuffle=False, verbose=0, callbacks=[StopAt(), *callbacks()])
