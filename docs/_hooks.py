@@ -12,9 +12,23 @@ its plots (*.png). This hook replaces the ``<!-- benchmark-results -->``
 marker of performance.md with links to that page and the plots when they
 exist, and with instructions to generate them when they do not. The plots
 are never drawn by hand.
+
+Changelog. The repository's CHANGELOG.md becomes the site's changelog.md page.
+
+Results. Every measured figure a guide quotes lives in one file,
+docs/results/NAME.json: a title, the date, the machine, the command that
+reproduces it, the columns and the rows. A page shows it with
+``<!-- results: NAME -->`` (the whole table, dated, with its command and
+machine) or quotes one cell with ``<!-- result: NAME | ROW | COLUMN -->``
+(ROW is the row's first cell). Two pages quoting a figure therefore quote
+the same file, and a marker that names no file, row or column fails the
+build. tests/test_docs_results.py checks the files themselves.
 """
 
+import html
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -22,6 +36,9 @@ from mkdocs.structure.files import File
 
 MARKER = "<!-- benchmark-results -->"
 PERF_DIR = Path(__file__).resolve().parent / "performance"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_TABLE = re.compile(r"<!--\s*results:\s*([\w-]+)\s*-->")
+RESULT_CELL = re.compile(r"<!--\s*result:\s*([\w-]+)\s*\|\s*(.+?)\s*\|\s*(.+?)\s*-->")
 MATHJAX_CONFIG = "javascripts/mathjax-config.js"
 MATHJAX_SITE_PATH = "javascripts/mathjax/tex-svg.js"
 
@@ -47,8 +64,13 @@ def on_config(config):
     return config
 
 
+CHANGELOG = Path(__file__).resolve().parent.parent / "CHANGELOG.md"
+
+
 def on_files(files, config):
     files.append(File.generated(config, MATHJAX_SITE_PATH, abs_src_path=str(_mathjax_file())))
+    # The repository's CHANGELOG.md, shown as a page of the site (one file, two places).
+    files.append(File.generated(config, "changelog.md", content=CHANGELOG.read_text()))
     return files
 
 
@@ -84,7 +106,7 @@ def _results_markdown():
             "!!! note \"No measured results in this build\"\n"
             "    docs/performance/ is empty: generate it on the machine you care about with\n"
             "    `python -m benchmarks.run --workers 2 --out results/ --docs`\n"
-            "    (add `--quick` for a five-minute run), then rebuild the docs.\n"
+            "    (add `--quick` for a shorter run), then rebuild the docs.\n"
         )
     lines = []
     if page.exists():
@@ -102,7 +124,54 @@ def _results_markdown():
     return "\n".join(lines)
 
 
+def load_results(name):
+    """docs/results/NAME.json, or a PluginError naming the file."""
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise PluginError(f"<!-- results: {name} -->: no file {path.name} in docs/results/")
+    return json.loads(path.read_text())
+
+
+def results_table(name):
+    """The markdown of results file `name`: its table, then when, where and how it was measured."""
+    data = load_results(name)
+    columns = data["columns"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in data["rows"]:
+        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
+    command = data["command"]
+    if isinstance(command, list):
+        command = " ".join(command)
+    caption = (
+        f"*{data['title']}.* Measured {data['date']} on {data['machine']}, with "
+        f"`{command}`."
+    )
+    if data.get("note"):
+        caption += " " + data["note"]
+    return "\n".join(lines) + "\n\n" + caption + "\n"
+
+
+def result_cell(name, row_key, column):
+    """One cell of results file `name`: the row whose first cell is `row_key`, column `column`."""
+    data = load_results(name)
+    if column not in data["columns"]:
+        raise PluginError(f"<!-- result: {name} | {row_key} | {column} -->: no column {column!r}; "
+                          f"the columns are {data['columns']}")
+    index = data["columns"].index(column)
+    for row in data["rows"]:
+        if str(row[0]) == row_key:
+            return str(row[index])
+    raise PluginError(f"<!-- result: {name} | {row_key} | {column} -->: no row {row_key!r}; "
+                      f"the rows are {[str(r[0]) for r in data['rows']]}")
+
+
+def render_results(markdown):
+    """Replaces the page's results markers with the tables and cells they name."""
+    markdown = RESULTS_TABLE.sub(lambda m: results_table(m.group(1)), markdown)
+    return RESULT_CELL.sub(lambda m: html.unescape(result_cell(*m.groups())), markdown)
+
+
 def on_page_markdown(markdown, page, config, files):
     if MARKER in markdown:
-        return markdown.replace(MARKER, _results_markdown())
-    return markdown
+        markdown = markdown.replace(MARKER, _results_markdown())
+    return render_results(markdown)

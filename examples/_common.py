@@ -98,6 +98,39 @@ def global_batches(x, y, batch_size, drop_remainder=False):
     return ds.with_options(options)
 
 
+def compile_classifier(model, learning_rate):
+    """Compiles `model` as the digits classifiers are: Adam, cross-entropy on logits, accuracy."""
+    import keras
+
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def equal_share_digits(args, replicas):
+    """The digits as global batches every replica takes an equal share of.
+
+    Layers whose weights are split over the replicas (fully sharded ones)
+    need equal per-replica batches: the training batches drop the last,
+    partial one, and the test set is one batch cut to a multiple of
+    `replicas`.
+
+    Returns:
+        (number of training samples, training batches, test batches).
+    """
+    x_train, x_test, y_train, y_test = load_digits(args.seed, train_samples=args.train_samples)
+    if args.batch_size % replicas:
+        raise SystemExit(
+            f"--batch-size must be divisible by the {replicas} replicas. Received: {args.batch_size}"
+        )
+    train = global_batches(x_train, y_train, args.batch_size, drop_remainder=True)
+    keep = len(x_test) - len(x_test) % replicas
+    return len(x_train), train, global_batches(x_test[:keep], y_test[:keep], keep)
+
+
 def chief_rank(strategy):
     """This worker's task index (0 is the chief, which prints)."""
     return strategy.cluster_resolver.task_id or 0

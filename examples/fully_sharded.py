@@ -44,17 +44,6 @@ def build_model(hidden, learning_rate, seed):
     return model
 
 
-def compile_model(model, learning_rate):
-    import keras
-
-    model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
 def main(argv=None):
     args = parse_args(argv)
     _common.quiet_tensorflow()
@@ -65,19 +54,14 @@ def main(argv=None):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     chief = _common.chief_rank(strategy) == 0
-    x_train, x_test, y_train, y_test = _common.load_digits(args.seed, train_samples=args.train_samples)
-    if args.batch_size % n:
-        raise SystemExit(f"--batch-size must be divisible by the {n} replicas. Received: {args.batch_size}")
-    train = _common.global_batches(x_train, y_train, args.batch_size, drop_remainder=True)
-    keep = len(x_test) - len(x_test) % n
-    test = _common.global_batches(x_test[:keep], y_test[:keep], keep)
+    train_samples, train, test = _common.equal_share_digits(args, n)
 
-    reference = compile_model(build_model(args.hidden, args.learning_rate, args.seed), args.learning_rate)
+    reference = _common.compile_classifier(build_model(args.hidden, args.learning_rate, args.seed), args.learning_rate)
     with strategy.scope():
-        model = compile_model(keras_comm.parallel.fully_shard(reference), args.learning_rate)
+        model = _common.compile_classifier(keras_comm.parallel.fully_shard(reference), args.learning_rate)
     if chief:
         print(
-            f"Training on {len(x_train)} digits with {n} replicas, every weight "
+            f"Training on {train_samples} digits with {n} replicas, every weight "
             f"split {n} ways; global batch {args.batch_size}.",
             flush=True,
         )

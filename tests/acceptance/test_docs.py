@@ -280,6 +280,57 @@ def test_api_page_renders_every_public_name(site):
     assert not missing, f"public names missing from docs/api.md's page: {missing}"
 
 
+def _resolve(dotted):
+    """The object a dotted keras_comm name names (importing its longest module prefix)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attribute in parts[i:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(dotted)
+
+
+# Pages about keras_comm's internals, for contributors, may name private code.
+_INTERNALS = {"architecture.md"}
+
+
+def test_api_page_lists_every_name_the_guides_use(site):
+    """A `keras_comm.x.y` a user page names resolves and has its entry on the API page."""
+    import inspect
+
+    proc, out = site
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ids = set(re.findall(r'id="([\w.]+)"', (out / "api" / "index.html").read_text()))
+    used = {}
+    for page in PAGES:
+        if page.name in _INTERNALS:
+            continue
+        for match in re.finditer(r"`(keras_comm(?:\.\w+)+)", page.read_text()):
+            if not any(part.startswith("_") for part in match.group(1).split(".")):
+                used.setdefault(match.group(1), set()).add(page.name)
+    problems = []
+    for name, pages in sorted(used.items()):
+        try:
+            obj = _resolve(name)
+        except (ImportError, AttributeError):
+            problems.append(f"{name} ({', '.join(sorted(pages))}): no such name")
+            continue
+        if inspect.ismodule(obj):
+            continue
+        where = {name}
+        if getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):
+            where.add(f"{obj.__module__}.{obj.__qualname__}")
+        if not where & ids:
+            problems.append(f"{name} ({', '.join(sorted(pages))}): not on docs/api.md's page")
+    assert not problems, "names the guides use must be public and on the API page:\n" + "\n".join(problems)
+
+
 # --- formulas ------------------------------------------------------------------
 #
 # pymdownx.arithmatex marks each formula (\( \), \[ \]) with class "arithmatex";

@@ -48,6 +48,12 @@ RUNS = {
     "halo_exchange_conv": ("halo_exchange_conv.py", []),
     "custom_training_loop": ("custom_training_loop.py", []),
     "fully_sharded": ("fully_sharded.py", []),
+    # docs/checkpointing.md's script: interrupted in the second epoch (after its third step), resumed
+    # from a mid-epoch backup by a fresh model, against one uninterrupted process.
+    "checkpointing": ("checkpointing.py", ["--epochs", "2", "--save-freq", "2", "--interrupt-at", "1", "2"]),
+    "checkpointing_fully_shard": (
+        "checkpointing.py", ["--epochs", "2", "--save-freq", "2", "--interrupt-at", "1", "2", "--fully-shard"],
+    ),
 }
 QUICK = ["--epochs", "1", "--train-samples", "256"]
 
@@ -84,5 +90,8 @@ def test_example_matches_single_process(name, tmp_path):
     assert f"test accuracy, {workers} workers:" in run.output and "single process:" in run.output
     assert results["max_weight_rel_diff"] < WEIGHT_RTOL, results
     assert abs(results["accuracy"] - results["single_process_accuracy"]) <= 1 / TEST_SAMPLES + 1e-9, results
+    if "resumed_at" in results:  # checkpointing.py: resumed inside the second epoch, from its file too
+        assert results["resumed_at"] == {"epoch": 1, "step": 2}, results
+        assert results["checkpoint_max_rel_diff"] == 0.0, results
     if "first_batch_grad_rel_diff" in results:
         assert results["first_batch_grad_rel_diff"] < WEIGHT_RTOL, results
