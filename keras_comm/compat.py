@@ -70,7 +70,7 @@ Scope and limits:
   elsewhere `apply()` changes nothing and returns False, because the replaced
   code is private Keras code that may differ. Every private Keras name is
   reached through `keras_comm._private.keras_api`, and
-  `tests/test_private_api.py` records a hash of each replaced or relied-on
+  `tests/compat/test_private_api.py` records a hash of each replaced or relied-on
   function per Keras version and fails when it changes.
 - The exact-loss scaling lives in the default `train_step`; a model that
   overrides `train_step` keeps its own loss scaling. The loss normalisation

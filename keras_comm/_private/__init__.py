@@ -9,7 +9,7 @@ needed. No other keras_comm module imports ``keras.src`` or
 TensorFlow object.
 
 Each module's `relied_on()` lists the private functions keras_comm calls,
-replaces or mirrors; tests/test_private_api.py hashes their source per Keras
+replaces or mirrors; tests/compat/test_private_api.py hashes their source per Keras
 (or TensorFlow) version and fails when upstream changes one, so a new release
 is reviewed here instead of breaking silently.
 """

@@ -5,7 +5,7 @@ inside the functions: they run only once `keras_comm.compat` has accepted the
 installed Keras version (see `keras_comm.compat.SUPPORTED_KERAS`).
 
 `relied_on()` names the private functions keras_comm replaces, calls or
-mirrors; tests/test_private_api.py hashes their source per Keras version.
+mirrors; tests/compat/test_private_api.py hashes their source per Keras version.
 """
 
 import sys

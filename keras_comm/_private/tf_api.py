@@ -6,7 +6,7 @@ collective ops with an ordering token, call-time captures for instance keys,
 the replica id and device of the calling replica, and the process-wide abort.
 Why each is needed is in its docstring.
 
-`relied_on()` names the private functions; tests/test_private_api.py hashes
+`relied_on()` names the private functions; tests/compat/test_private_api.py hashes
 their source per TensorFlow version.
 """
 

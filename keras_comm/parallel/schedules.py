@@ -18,7 +18,7 @@ Instructions (`Op`), each for one micro-batch:
 
 Transfers are blocking rendezvous (a send completes with its receive), and
 every transfer of one device runs in program order, so a table must be
-deadlock-free under that rule: `simulate` checks it, and `tests/test_schedules.py`
+deadlock-free under that rule: `simulate` checks it, and `tests/parallel/test_schedules.py`
 runs it for many (p, m).
 
 GPipe: all forwards, then all backwards (in micro-batch order); up to `m`
