@@ -18,6 +18,7 @@ if not _compat.apply():
     _warnings.warn(_compat.unsupported_message(), stacklevel=2)
 
 from keras_comm import callbacks  # noqa: E402
+from keras_comm import distribution  # noqa: E402
 from keras_comm import errors  # noqa: E402
 from keras_comm import layers  # noqa: E402
 from keras_comm import ops  # noqa: E402
@@ -40,6 +41,7 @@ __all__ = [
     "Group",
     "callbacks",
     "communication_options",
+    "distribution",
     "errors",
     "get_check_calls",
     "get_gradient_bucket_bytes",
