@@ -117,7 +117,8 @@ def main(argv=None):
     loss = model.evaluate(test, verbose=0)
     with keras_comm.distribution.gathered(model):  # every worker takes part
         generated = model.generate(
-            {k: v[:2] for k, v in prompts.items()}, max_length=args.sequence_length
+            {k: v[:2] for k, v in prompts.items()}, max_length=args.sequence_length,
+            stop_token_ids=None,
         )
     if chief:
         print("generated token ids:", np.asarray(generated["token_ids"])[0].tolist(), flush=True)

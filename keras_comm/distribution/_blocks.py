@@ -51,7 +51,8 @@ class Blocks:
 
     @property
     def is_split(self):
-        return any(self.dim_axes)
+        """Whether some dimension is cut into more than one piece."""
+        return any(self.pieces(d) > 1 for d in range(len(self.full_shape)))
 
     def pieces(self, dim):
         """How many pieces dimension `dim` is cut into."""

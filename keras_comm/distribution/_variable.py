@@ -111,11 +111,12 @@ class ShardedVariable(keras.Variable):
         blocks = self.blocks
         rank = _common.my_rank()
         for dim, axes in enumerate(blocks.dim_axes):
-            if axes:
+            if blocks.pieces(dim) > 1:
                 block = _common.gather_along(
                     block, dim, blocks.gather_group(dim, rank), name=f"{self.name}_gather"
                 )
-        return block
+        # The gathers leave the gathered dimension unknown; layers read shapes.
+        return tf.ensure_shape(block, blocks.full_shape)
 
     def _host_full(self):
         strategy = self._keras_comm_strategy
@@ -128,7 +129,7 @@ class ShardedVariable(keras.Variable):
             def block_of(index):
                 return tf.convert_to_tensor(by_rank[blocks.owner(index, ranks)])
 
-            return blocks.assemble(block_of, lambda parts, axis: tf.concat(parts, axis))
+            return blocks.assemble(block_of, _concat)
         if not tf.executing_eagerly():
             raise RuntimeError(
                 f"Weight {self.path!r} is split over several workers and is read outside "
@@ -137,7 +138,14 @@ class ShardedVariable(keras.Variable):
             )
         fn = getattr(self, "_keras_comm_read", None)
         if fn is None:
-            fn = tf.function(lambda: strategy.run(lambda: self._gather(tf.identity(self.value))))
+
+            def replica_fn():
+                return self._gather(tf.identity(self.value))
+
+            def gather_everywhere():
+                return strategy.run(replica_fn)
+
+            fn = tf.function(gather_everywhere)
             self._keras_comm_read = fn
         with strategy.scope():
             out = fn()
@@ -228,6 +236,10 @@ for _name, _fn in _COMPARISONS.items():
     setattr(ShardedVariable, f"__{_name}__", _operator(_fn, False))
 # Identity, not value, equality for hashing (as keras.Variable).
 ShardedVariable.__hash__ = keras.Variable.__hash__
+
+
+def _concat(parts, axis):
+    return tf.concat(parts, axis)
 
 
 def local_ranks(strategy, num_components):

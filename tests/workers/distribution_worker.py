@@ -17,19 +17,11 @@ import numpy as np
 import tensorflow as tf
 
 import keras_comm
+from workers.fully_shard_worker import rel
 
 BATCH = 8
 SEQ = 8
 VOCAB = 64
-
-
-def rel(expected, actual):
-    """Max over arrays of max|e - a| / max(max|e|, 1e-2)."""
-    worst = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = np.asarray(e, np.float64), np.asarray(a, np.float64)
-        worst = max(worst, float(np.max(np.abs(e - a)) / max(np.max(np.abs(e)), 1e-2)))
-    return worst
 
 
 # --- Models ---------------------------------------------------------------------
@@ -173,11 +165,11 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1,
         with keras_comm.distribution.gathered(model):
             generated = model.generate(
                 {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
-                max_length=SEQ,
+                max_length=SEQ, stop_token_ids=None,
             )
         expected = ref.generate(
             {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
-            max_length=SEQ,
+            max_length=SEQ, stop_token_ids=None,
         )
         out["generate_equal"] = bool(
             np.array_equal(np.asarray(generated["token_ids"]), np.asarray(expected["token_ids"]))
