@@ -23,6 +23,7 @@ if not _compat.apply():
 
 from keras_comm import callbacks  # noqa: E402
 from keras_comm import config  # noqa: E402
+from keras_comm import distribution  # noqa: E402
 from keras_comm import errors  # noqa: E402
 from keras_comm import layers  # noqa: E402
 from keras_comm import ops  # noqa: E402
@@ -46,6 +47,7 @@ __all__ = [
     "Group",
     "callbacks",
     "config",
+    "distribution",
     "errors",
     "layers",
     "ops",

@@ -191,6 +191,10 @@ def apply():
     from keras_comm.callbacks import _keras_callbacks
 
     _keras_callbacks.install()
+    # keras.distribution layouts honoured at variable creation.
+    from keras_comm import distribution
+
+    distribution.install()
     return True
 
 
@@ -212,3 +216,6 @@ def revert():
     from keras_comm.callbacks import _keras_callbacks
 
     _keras_callbacks.uninstall()
+    from keras_comm import distribution
+
+    distribution.uninstall()

@@ -506,6 +506,118 @@ def in_symbolic_build():
     )
 
 
+# --- keras.distribution on TensorFlow: variables created as their shards -----
+
+_INITIALIZE_ORIGINAL_ATTR = "_keras_comm_original_initialize_with_initializer"
+
+
+def install_variable_initialization(hook):
+    """Lets `hook` create a Keras variable's storage (`keras_comm.distribution`).
+
+    Keras's JAX backend consults `keras.distribution.distribution()` when a
+    variable is initialised (`backend/jax/core.py`); the TensorFlow backend
+    does not. ``hook(variable, initializer)`` runs first, in
+    `Variable._initialize_with_initializer` (where the JAX backend asks for
+    the layout); it returns None to let Keras create the variable as usual,
+    or the `tf.Variable` to use as the variable's storage (a per-replica
+    shard). The variable's shape stays the full shape Keras gave it.
+
+    A variable created from a concrete value (``keras.Variable(array)``)
+    calls ``hook(variable, None, shape)`` instead, which may only refuse.
+    """
+    cls = keras.Variable  # the backend's class: what `add_weight` instantiates
+    if _INITIALIZE_ORIGINAL_ATTR in cls.__dict__:
+        return
+    original = cls._initialize_with_initializer
+    original_initialize = cls._initialize
+
+    def _initialize_with_initializer(self, initializer):
+        storage = hook(self, initializer, tuple(self._shape))
+        if storage is None:
+            return original(self, initializer)
+        original_initialize(self, storage)  # a tf.Variable is kept as the storage
+
+    def _initialize(self, value):
+        if not callable(value) and not isinstance(value, tf.Variable):
+            hook(self, None, tuple(value.shape))
+        return original_initialize(self, value)
+
+    setattr(cls, _INITIALIZE_ORIGINAL_ATTR, (original, original_initialize))
+    cls._initialize_with_initializer = _initialize_with_initializer
+    cls._initialize = _initialize
+
+
+def restore_variable_initialization():
+    cls = keras.Variable
+    originals = cls.__dict__.get(_INITIALIZE_ORIGINAL_ATTR)
+    if originals is not None:
+        # Defined on the TensorFlow backend's base class, not on this one.
+        del cls._initialize_with_initializer, cls._initialize
+        delattr(cls, _INITIALIZE_ORIGINAL_ATTR)
+
+
+def variable_layout(variable):
+    """The `TensorLayout` a Keras variable was created with (`layout=`), or None.
+
+    The optimizer creates each slot with its weight's `_layout`
+    (`add_variable_from_reference`), which is how slots follow their weight.
+    """
+    return getattr(variable, "_layout", None)
+
+
+def set_variable_layout(variable, layout):
+    """Records the layout a weight was created with, as the JAX backend does."""
+    variable._layout = layout
+
+
+def variable_dtype(variable):
+    """The dtype a Keras variable stores (its `dtype` reads the autocast dtype)."""
+    return variable._dtype
+
+
+def autocast(variable, value):
+    """`value` cast as Keras casts `variable`'s reads in the current autocast scope."""
+    return variable._maybe_autocast(value)
+
+
+def stateless_value(variable):
+    """The value a `keras.StatelessScope` holds for `variable`, or None.
+
+    Inside `stateless_call` and Keras's symbolic tracing the scope, not the
+    variable, gives the value; a sharded variable's reads must honour it.
+    """
+    from keras.src.backend.common import stateless_scope
+
+    if not stateless_scope.in_stateless_scope():
+        return None
+    return stateless_scope.get_stateless_scope().get_current_value(variable)
+
+
+def in_stateless_scope():
+    from keras.src.backend.common import stateless_scope
+
+    return stateless_scope.in_stateless_scope()
+
+
+def install_output_relayout():
+    """Makes `Layer.__call__`'s output relayout a no-op on TensorFlow.
+
+    `Layer.__call__` passes a layer's outputs to
+    `keras.distribution.distribute_tensor` when the distribution has a layout
+    for ``path + "/output"``; the TensorFlow backend's `distribution_lib`
+    lacks `distribute_tensor`. keras_comm computes every layer's outputs
+    whole on each replica, so an output layout changes nothing.
+    """
+    from keras.src.backend.tensorflow import distribution_lib
+
+    if not hasattr(distribution_lib, "distribute_tensor"):
+        distribution_lib.distribute_tensor = _keep_layout
+
+
+def _keep_layout(tensor, layout):
+    return tensor
+
+
 # --- Fully sharded layers: weights without storage, checkpoints by structure --
 
 
@@ -712,6 +824,25 @@ def relied_on():
         "H5IOStore.get": saving_lib.H5IOStore.get,
         "ShardedH5IOStore.make": saving_lib.ShardedH5IOStore.__dict__.get("make"),
         "ShardedH5IOStore.get": saving_lib.ShardedH5IOStore.__dict__.get("get"),
+        # keras.distribution on TensorFlow (keras_comm.distribution): the
+        # hook wraps `_initialize_with_initializer` and hands `_initialize`
+        # a tf.Variable; reads of the storage follow `value`, autocast and
+        # the stateless scope; `Layer.__call__` asks for output layouts.
+        "TFVariable._initialize_with_initializer": keras.Variable.__dict__.get(
+            _INITIALIZE_ORIGINAL_ATTR, (keras.Variable._initialize_with_initializer,)
+        )[0],
+        "TFVariable._initialize": keras.Variable.__dict__.get(
+            _INITIALIZE_ORIGINAL_ATTR, (None, keras.Variable._initialize)
+        )[1],
+        "TFVariable.__tf_tensor__": keras.Variable.__tf_tensor__,
+        "KerasVariable.value": common_variables.Variable.value.fget,
+        "KerasVariable.assign": common_variables.Variable.assign,
+        "KerasVariable._maybe_autocast": common_variables.Variable._maybe_autocast,
+        "BaseOptimizer.add_variable_from_reference": (
+            base_optimizer.BaseOptimizer.add_variable_from_reference
+        ),
+        "Layer.__call__": keras.layers.Layer.__call__,
+        "StatelessScope.get_current_value": stateless_scope.StatelessScope.get_current_value,
     })
     return {name: fn for name, fn in out.items() if fn is not None}
 

@@ -189,6 +189,18 @@ def replica_id(replica_context):
     return replica_context._replica_id_in_sync_group  # pylint: disable=protected-access
 
 
+def in_update_context():
+    """True inside `strategy.extended.update` (an optimizer applying updates).
+
+    There a distributed variable reads as the component being updated; a
+    layout-split Keras variable (`keras_comm.distribution`) must then read
+    as its block, not gather.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib.get_update_replica_id() is not None
+
+
 def current_device():
     """The canonical name of the device ops are placed on now (may be '')."""
     return device_util.current()
@@ -288,4 +300,11 @@ def relied_on():
             values.DistributedVariable._get_on_device_or_primary
         ),
         "PerReplica": values.PerReplica,
+        "distribute_lib.get_update_replica_id": _distribute_lib().get_update_replica_id,
     }
+
+
+def _distribute_lib():
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib

@@ -379,6 +379,15 @@ _KERAS_SHA256 = {
         "H5IOStore.get": "1dc95c2a327ae1afa250cf7567d71aeefd8b1d530f8747fca3eb74b8672161d2",
         "ShardedH5IOStore.make": "d7a08d66f0afe57ed12eed6149fe5d7c36e3ef9640f2161cd39e441e4d85ebc0",
         "ShardedH5IOStore.get": "2e2d3473149ab350d5a56a611ce3a2501642528d94e6c737bb152aafa2410da9",
+        "TFVariable._initialize_with_initializer": "14c5c207bc313aecf483f8c2f4cbb93eb9daf10afcfd05cba02d7e91ad7989c1",
+        "TFVariable._initialize": "ab759c22f87fb300c93b8283ea280ff99a52fc483376bd43d1edc26b0080601d",
+        "TFVariable.__tf_tensor__": "9a26cf5a543d6b496d8b6432905924cc9e2470c2ba84cefd22381c1c4bb0466c",
+        "KerasVariable.value": "0f5246d03308a8f39cb7fb92e5d596c77371f75ab0cf9fbf0c5a2b5b6c07b1a9",
+        "KerasVariable.assign": "4fdea6a6244132ab5b3c8f7b7da108258ea9e8dd457c92be70c8a8e5122a44a3",
+        "KerasVariable._maybe_autocast": "1b42c967de4732d633756fbf33dbd29283a5d6024964ea079412a65f4fe627ab",
+        "BaseOptimizer.add_variable_from_reference": "00c77a731b5a12c96ba3e7b8bac5bc1c103ef4f59c879196320af8da4681966f",
+        "Layer.__call__": "4fb7e42e4ffd9b1ab8d23006c049981364609973d18a066a27547c29c1c31754",
+        "StatelessScope.get_current_value": "10bed40ffeae5fca2c5b1a80c290f9cd8871d3e2053d4606c7ecd4fbf7d3cb74",
     },
     # keras-nightly (the 3.16 pre-release): the changes and how each is
     # handled are in docs/troubleshooting.md ("Keras 3.16").
@@ -454,6 +463,7 @@ _TENSORFLOW_SHA256 = {
         "device_util.canonicalize": "0524e7daa5230886d26ff49d09aab696c680fd6162844de070df72fdebd32230",
         "DistributedVariable._get_on_device_or_primary": "42bac83f6c128dcece08fbd0fbe640bc5c8ccbc01c14084e5059e36cc4452195",
         "PerReplica": "53cab5d218a50ed9920f6cb5871c5ca59e3a20ceee1791861a0e5fd76a72694b",
+        "distribute_lib.get_update_replica_id": "ea691a81b9e808144acfcc22646a1181632397d387786a99c6294662c44f8547",
     },
 }
 

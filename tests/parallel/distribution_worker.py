@@ -1,0 +1,212 @@
+"""keras.distribution scenarios, shared by in-process tests and real workers.
+
+Each scenario builds a model under a strategy and a `keras.distribution`
+distribution, trains it on global batches, and compares it with the same
+model built without either and trained in this process alone on the same
+batches. tests/test_distribution.py calls them with logical-device
+strategies; run as a script (tests/test_distribution_multiprocess.py) every
+worker is one replica of a real MultiWorkerMirroredStrategy.
+"""
+
+import os
+import tempfile
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_comm
+from fully_shard_worker import rel
+
+BATCH = 8
+SEQ = 8
+VOCAB = 64
+
+
+# --- Models ---------------------------------------------------------------------
+
+
+def mlp(seed=1):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh", name="d1"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(4, name="d2"),
+        ],
+        name="mlp",
+    )
+
+
+def mlp_layout_map(mesh):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["mlp/d1/kernel"] = (None, "model")
+    layout_map["mlp/d1/bias"] = ("model",)
+    layout_map["mlp/d2/kernel"] = ("model", "batch")
+    layout_map["mlp/d1/output"] = ("batch", None)  # an output layout: accepted, no effect
+    return layout_map
+
+
+def llama(seed=1):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=4,
+        hidden_dim=16, intermediate_dim=32, dropout=0.0,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def gemma(seed=1):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=4,
+        hidden_dim=16, intermediate_dim=64, head_dim=4, dropout=0,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def gpt2(seed=1):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=SEQ, dropout=0.0,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+MODELS = {"mlp": mlp, "llama": llama, "gemma": gemma, "gpt2": gpt2}
+
+
+def layout_map_of(name, mesh):
+    import keras_hub
+
+    if name == "mlp":
+        return mlp_layout_map(mesh)
+    if name == "llama":
+        return keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    if name == "gemma":
+        return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    raise ValueError(f"no layout map for {name!r}")
+
+
+def data(name, steps=2):
+    """Global batches (numpy), the same on every worker."""
+    rng = np.random.RandomState(7)
+    n = BATCH * steps
+    if name == "mlp":
+        return rng.randn(n, 6).astype("float32"), rng.randn(n, 4).astype("float32")
+    tokens = rng.randint(1, VOCAB, size=(n, SEQ + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((n, SEQ), "bool")}
+    return x, tokens[:, 1:]
+
+
+def compile_model(model, name):
+    loss = "mse" if name == "mlp" else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=False)
+
+
+def distribution_for(name, mesh_shape, mode, strategy):
+    devices = keras_comm.distribution.list_devices(strategy)
+    if mode == "data":
+        mesh = keras.distribution.DeviceMesh((len(devices),), ("batch",), devices=devices)
+        return keras.distribution.DataParallel(device_mesh=mesh)
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), devices=devices)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map_of(name, mesh), batch_dim_name="batch"
+    )
+
+
+def split_weights(model):
+    return [v for v in model.weights if keras_comm.distribution.is_sharded(v)]
+
+
+# --- The scenario -----------------------------------------------------------------
+
+
+def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1, tmp=None):
+    """Trains `name` under the distribution and alone; returns the comparisons."""
+    x, y = data(name)
+    ref = MODELS[name]()
+    ref_initial = ref.get_weights()
+    compile_model(ref, name)
+    dist = distribution_for(name, mesh_shape, mode, strategy)
+    with strategy.scope(), dist.scope():
+        model = MODELS[name]()
+        compile_model(model, name)
+    out = {"initial": rel(ref_initial, model.get_weights())}
+    split = split_weights(model)
+    out["split"] = len(split)
+    out["stored_fraction"] = sum(int(np.prod(v.value.shape)) for v in model.weights) / sum(
+        int(np.prod(v.shape)) for v in model.weights
+    )
+    out["blocks_stored"] = all(tuple(v.value.shape) == v.blocks.block_shape for v in split)
+    t0 = time.perf_counter()
+    ref_hist = ref.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    ref_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hist = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    out["fit_seconds"] = time.perf_counter() - t0
+    out["ref_fit_seconds"] = ref_seconds
+    out["loss"] = rel([ref_hist.history["loss"]], [hist.history["loss"]])
+    out["weights"] = rel(ref.get_weights(), model.get_weights())
+    slots = [v for v in model.optimizer.variables if keras_comm.distribution.is_sharded(v)]
+    out["slots_split"] = len(slots)
+    out["predict"] = rel([ref.predict(x, batch_size=BATCH, verbose=0)],
+                         [model.predict(x, batch_size=BATCH, verbose=0)])
+    if name != "mlp":
+        with keras_comm.distribution.gathered(model):
+            generated = model.generate(
+                {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
+                max_length=SEQ, stop_token_ids=None,
+            )
+        expected = ref.generate(
+            {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
+            max_length=SEQ, stop_token_ids=None,
+        )
+        out["generate_equal"] = bool(
+            np.array_equal(np.asarray(generated["token_ids"]), np.asarray(expected["token_ids"]))
+        )
+    # Checkpoints: the distributed model's file loads into the plain model and back.
+    tmp = tmp or tempfile.mkdtemp()
+    chief = keras_comm.topology.is_chief(strategy)
+    path = os.path.join(tmp, f"{name}.weights.h5")
+    mine = path if chief else os.path.join(tmp, f"{name}.{keras_comm.topology.task_id(strategy)}.weights.h5")
+    model.save_weights(mine)
+    plain = MODELS[name](seed=2)
+    plain.load_weights(mine)
+    out["saved_to_plain"] = rel(model.get_weights(), plain.get_weights())
+    plain_path = mine.replace(".weights.h5", ".plain.weights.h5")
+    ref.save_weights(plain_path)
+    model.load_weights(plain_path)
+    out["plain_to_split"] = rel(ref.get_weights(), model.get_weights())
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _cluster import finish
+    from _cluster import write_result
+
+    from workers._strategy import strategy
+
+    workers = keras_comm.topology.worker_count(strategy)
+    tmp = sys.argv[1]
+    results = {}
+    for name, mesh_shape, mode in [
+        ("llama", (1, workers), "model"),
+        ("gemma", (1, workers), "model"),
+        ("gpt2", None, "data"),
+    ]:
+        results[f"{name}-{mode}"] = train_and_compare(strategy, name, mesh_shape, mode, tmp=tmp)
+    write_result(results)
+    finish()
