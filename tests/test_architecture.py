@@ -33,6 +33,7 @@ TIERS = [
     ("ops", ["keras_comm.ops"]),
     ("layers", ["keras_comm.layers"]),
     ("parallel", ["keras_comm.parallel"]),
+    ("distribution", ["keras_comm.distribution"]),
     ("training", ["keras_comm.training"]),
     ("callbacks", ["keras_comm.callbacks"]),
     ("compat", ["keras_comm.compat"]),

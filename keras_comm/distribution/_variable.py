@@ -49,7 +49,7 @@ from keras_comm.distribution import _blocks
 from keras_comm.distribution import _mesh
 from keras_comm.parallel import _common
 from keras_comm.parallel import _initial
-from keras_comm.training import reduction
+from keras_comm.variables import annotations
 
 _AGGREGATION = {
     "none": tf.VariableAggregation.NONE,
@@ -325,7 +325,7 @@ def initialize(variable, initializer, shape):
     variable.__class__ = ShardedVariable
     variable._keras_comm_blocks = blocks
     variable._keras_comm_strategy = strategy
-    reduction.set_gradient_hook(storage, lambda g: _reduce_gradient(blocks, g, variable.name))
+    annotations.set_gradient_hook(storage, lambda g: _reduce_gradient(blocks, g, variable.name))
     return storage
 
 
