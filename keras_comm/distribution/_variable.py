@@ -47,7 +47,7 @@ from keras_comm._private import keras_api
 from keras_comm._private import tf_api
 from keras_comm.distribution import _blocks
 from keras_comm.distribution import _mesh
-from keras_comm.parallel import _common
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _initial
 from keras_comm.variables import annotations
 
@@ -109,10 +109,10 @@ class ShardedVariable(keras.Variable):
 
     def _gather(self, block):
         blocks = self.blocks
-        rank = _common.my_rank()
+        rank = _collectives.my_rank()
         for dim, axes in enumerate(blocks.dim_axes):
             if blocks.pieces(dim) > 1:
-                block = _common.gather_along(
+                block = _collectives.gather_along(
                     block, dim, blocks.gather_group(dim, rank), name=f"{self.name}_gather"
                 )
         # The gathers leave the gathered dimension unknown; layers read shapes.

@@ -143,7 +143,7 @@ def test_python_blocks_run_in_one_process(tmp_path):
 # gets a launch of its own.
 
 CLUSTER = [b for b in ALL if b.mode == "cluster"]
-_CLUSTER_WORKER = Path(__file__).resolve().parent / "workers" / "docs_blocks_worker.py"
+_CLUSTER_WORKER = Path(__file__).resolve().parent / "docs_blocks_worker.py"
 _STRATEGY_WITH_ARGS = re.compile(r"MultiWorkerMirroredStrategy\(\s*[^)\s]")
 
 

@@ -18,7 +18,7 @@ RTOL = 1e-5
 
 @pytest.mark.multiprocess
 def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
-    result = run_cluster("workers/distribution_worker.py", 2, tmp_path, timeout=900).check()
+    result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, timeout=900).check()
     llama_off = []
     for rank, r in enumerate(result.results):
         print(rank, r)
