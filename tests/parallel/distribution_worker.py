@@ -197,7 +197,7 @@ if __name__ == "__main__":
     from _cluster import finish
     from _cluster import write_result
 
-    from workers._strategy import strategy
+    from _strategy import strategy
 
     workers = keras_comm.topology.worker_count(strategy)
     tmp = sys.argv[1]
