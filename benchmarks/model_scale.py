@@ -232,7 +232,8 @@ def plot(rows, path):
         plt.close(fig)
 
 
-def _machine():
+def machine():
+    """This machine, as docs/results/ files describe it."""
     from benchmarks import run as bench_run
 
     info = bench_run.machine_info()
@@ -277,7 +278,7 @@ def main(argv=None):
                    "docs/results/model_scale.json --plot docs/performance/model_scale/model_scale.png")
         if args.results:
             Path(args.results).write_text(
-                json.dumps(results_file(rows, command, _machine()), indent=1) + "\n")
+                json.dumps(results_file(rows, command, machine()), indent=1) + "\n")
         if args.plot:
             plot(rows, args.plot)
         return 0

@@ -30,6 +30,7 @@ profiles that keras_comm, for a before/after next to tf-keras.
 """
 
 import argparse
+import datetime
 import cProfile
 import json
 import os
@@ -54,6 +55,7 @@ def _step_timer(k):
     class StepTimer(k.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.steps = []
+            self.first_steps = []
 
         def on_epoch_begin(self, epoch, logs=None):
             self._last = time.perf_counter()
@@ -61,8 +63,7 @@ def _step_timer(k):
 
         def on_train_batch_end(self, batch, logs=None):
             now = time.perf_counter()
-            if not self._first:
-                self.steps.append(now - self._last)
+            (self.first_steps if self._first else self.steps).append(now - self._last)
             self._first = False
             self._last = now
 
@@ -238,6 +239,9 @@ def measure(framework, epochs, samples, global_batch):
         "workers": strategy.num_replicas_in_sync,
         "steps_per_epoch": steps,
         "step_s": timer.steps,
+        # Each epoch's first step: Keras 3 creates the epoch's iterator in it,
+        # tf-keras before `on_epoch_begin`.
+        "first_step_s": timer.first_steps,
         "host": host,
         "graph": {"ops_per_step": graph_ops, "collectives_per_step": collectives,
                   "functions": functions},
@@ -289,10 +293,10 @@ def run(launch, workers, rounds, epochs, out_dir, env=None, ref_source=None, say
     return out
 
 
-def _step_ms(ranks):
+def _step_ms(ranks, key="step_s"):
     """A job's step time: per step the slowest rank's, the median over steps."""
-    length = min(len(r["step_s"]) for r in ranks)
-    return statistics.median(max(r["step_s"][i] for r in ranks) for i in range(length)) * 1e3
+    length = min(len(r[key]) for r in ranks)
+    return statistics.median(max(r[key][i] for r in ranks) for i in range(length)) * 1e3
 
 
 def summarize(jobs):
@@ -312,6 +316,7 @@ def summarize(jobs):
                 "version": rank0["version"],
                 "step_ms": statistics.median(_step_ms(j) for j in done),
                 "step_ms_rounds": [_step_ms(j) for j in done],
+                "first_step_ms": statistics.median(_step_ms(j, "first_step_s") for j in done),
                 "host": rank0["host"],
                 "graph": rank0["graph"],
                 "device": rank0["device"],
@@ -330,6 +335,54 @@ def summarize(jobs):
     return rows
 
 
+def results_file(rows, command, machine):
+    """The docs/results/ form of `summarize`'s rows: one row per worker count and variant."""
+    table = []
+    for row in rows:
+        for label, d in row.items():
+            if label == "workers" or "error" in d:
+                continue
+            h, g, dev = d["host"], d["graph"], d["device"] or {}
+            ratio = d.get("speed_vs_tf_keras")
+            table.append([
+                f"{row['workers']} worker{'s' if row['workers'] > 1 else ''}, {label.replace('_', '-')}",
+                f"{d['step_ms']:.1f} [{min(d['step_ms_rounds']):.1f}–{max(d['step_ms_rounds']):.1f}]",
+                f"{ratio:.2f}" if ratio else "–",
+                f"{d['first_step_ms']:.0f}",
+                f"{h['function_calls_per_step']:.0f}",
+                f"{h['host_reads_per_step']:.2f}",
+                f"{h['eager_ops_per_step']:.1f}",
+                f"{g['ops_per_step']:.0f}",
+                f"{sum(g['collectives_per_step'].values()):.0f}",
+                f"{dev.get('op_ms_per_step', float('nan')):.0f} "
+                f"({dev.get('collective_ms_per_step', float('nan')):.0f})",
+            ])
+    return {
+        "title": "One `fit` step, Keras 3 + keras_comm next to tf-keras",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine,
+        "command": command,
+        "columns": [
+            "workers, framework", "ms per step [rounds]", "speed vs tf-keras",
+            "epoch's first step, ms", "compiled calls per step", "host reads per step",
+            "eager ops per step", "graph ops per step", "collectives in the graph",
+            "op time ms per step (collectives)",
+        ],
+        "rows": table,
+        "note": (
+            "784-1024-1024-10 MLP, Adam, global batch 256, 40 steps per epoch. ms per step: "
+            "median over the steps after each epoch's first (slowest rank per step), median "
+            "over rounds [range]; speed: tf-keras's step time over the variant's, median of "
+            "per-round ratios. The first step of an epoch is given apart: Keras 3 creates "
+            "the epoch's iterator inside it, tf-keras before `on_epoch_begin`. Calls, reads "
+            "(tensor values copied to the host) and eager ops from `cProfile` of one epoch; "
+            "graph ops: the nodes of the compiled functions a step calls, cond branches "
+            "included; op time: TensorFlow's profiler, self time summed over threads "
+            "(a collective's includes its wait for the peer)."
+        ),
+    }
+
+
 def _print(rows):
     for row in rows:
         print(f"== {row['workers']} worker(s)")
@@ -343,7 +396,8 @@ def _print(rows):
                 print(f"  {f}: speed / tf-keras {d['speed_vs_tf_keras']:.3f} (rounds "
                       f"{', '.join(f'{r:.3f}' for r in d['speed_vs_tf_keras_rounds'])})")
             h, g, dev = d["host"], d["graph"], d["device"] or {}
-            print(f"  {f:10s} {d['step_ms']:7.2f} ms/step  "
+            print(f"  {f:10s} {d['step_ms']:7.2f} ms/step (epochs' first steps "
+                  f"{d['first_step_ms']:.1f} ms)  "
                   f"calls {h['function_calls_per_step']:.2f}  reads {h['host_reads_per_step']:.2f}  "
                   f"eager ops {h['eager_ops_per_step']:.1f}  python {h['python_ms_per_step']:.2f} ms  "
                   f"graph ops {g['ops_per_step']:.0f}  collectives {g['collectives_per_step']}  "
@@ -367,6 +421,7 @@ def main(argv=None):
     parser.add_argument("--tag", help="worker mode: this job's file prefix")
     parser.add_argument("--rounds", type=int, default=3, help="driver mode: rounds")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--results", help="driver mode: also write this docs/results JSON")
     parser.add_argument("--ref-source", help="driver mode: also profile keras_comm from this "
                         "source tree (e.g. a `git archive` of main), labelled keras_comm_ref")
     args = parser.parse_args(argv)
@@ -389,6 +444,13 @@ def main(argv=None):
     rows = summarize(jobs)
     (Path(args.out_dir) / "summary.json").write_text(json.dumps(rows, indent=1))
     _print(rows)
+    if args.results:
+        from benchmarks import model_scale
+
+        command = "python -m benchmarks.step_profile " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:]))
+        Path(args.results).write_text(json.dumps(
+            results_file(rows, command, model_scale.machine()), indent=1) + "\n")
     return 0
 
 
