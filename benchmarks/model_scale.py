@@ -225,7 +225,9 @@ def plot(rows, path):
         a2.set_ylabel("peak RSS per worker, MiB")
         a2.set_title("peak resident memory")
         n = sorted({r["workers"] for r in rows})
-        fig.suptitle(f"MLPs of 10M–200M parameters, Adam, {'/'.join(map(str, n))} workers")
+        sizes = [r["params"] / 1e6 for r in rows]
+        fig.suptitle(f"MLPs of {min(sizes):.0f}M–{max(sizes):.0f}M parameters, Adam, "
+                     f"{'/'.join(map(str, n))} workers")
         fig.tight_layout()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=report.PLOT_DPI)

@@ -348,7 +348,7 @@ def results_file(rows, command, machine):
                 f"{row['workers']} worker{'s' if row['workers'] > 1 else ''}, {label.replace('_', '-')}",
                 f"{d['step_ms']:.1f} [{min(d['step_ms_rounds']):.1f}–{max(d['step_ms_rounds']):.1f}]",
                 f"{ratio:.2f}" if ratio else "–",
-                f"{d['first_step_ms']:.0f}",
+                f"{d['first_step_ms']:.0f}" if d.get("first_step_ms") else "–",
                 f"{h['function_calls_per_step']:.0f}",
                 f"{h['host_reads_per_step']:.2f}",
                 f"{h['eager_ops_per_step']:.1f}",
