@@ -51,8 +51,12 @@ def _keras(framework):
     return keras
 
 
-def measure(framework, epochs, samples, global_batch):
-    """One `fit` of `epochs` epochs on this worker; each epoch's seconds."""
+def build(framework, samples=SAMPLES, global_batch=GLOBAL_BATCH):
+    """The peers' setup on this worker: ``(keras module, strategy, model, dataset)``.
+
+    The same MLP, optimizer, loss and data for either framework, under its own
+    MultiWorkerMirroredStrategy (shared with `benchmarks.step_profile`).
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -76,6 +80,12 @@ def measure(framework, epochs, samples, global_batch):
             optimizer=k.optimizers.Adam(1e-3),
             loss=k.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
+    return k, strategy, model, ds
+
+
+def measure(framework, epochs, samples, global_batch):
+    """One `fit` of `epochs` epochs on this worker; each epoch's seconds."""
+    k, strategy, model, ds = build(framework, samples, global_batch)
 
     class EpochTimer(k.callbacks.Callback):
         def on_train_begin(self, logs=None):
