@@ -247,6 +247,11 @@ class _Sampler:
         self.peaks = {}
         # ru_maxrss when each phase ended: catches spikes between samples.
         self.high_water = {}
+        # TensorFlow's allocator per phase (see `_allocator_phase_end`).
+        self.allocator = {}
+        before = _allocator_info()
+        if before is not None:
+            self.allocator["before build"] = {k: v / MIB for k, v in before.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
         self._thread.start()
@@ -265,6 +270,7 @@ class _Sampler:
     def enter(self, phase):
         self.sample()
         self.high_water[self.phase] = _maxrss_bytes()
+        self._allocator_phase_end()
         self.phase = phase
         self.sample()
 
@@ -273,7 +279,31 @@ class _Sampler:
         self._thread.join()
         self.sample()
         self.high_water[self.phase] = _maxrss_bytes()
+        self._allocator_phase_end()
         return {k: v / MIB for k, v in self.peaks.items()}
+
+    def _allocator_phase_end(self):
+        # TensorFlow's own count of the bytes its CPU allocator hands out
+        # (the BFC pool behind oneDNN's allocator; zero when TensorFlow uses
+        # the system allocator): the live tensors' peak in the phase and
+        # what is live at its end. RSS above that peak is the allocator's
+        # pooling and fragmentation, or memory outside TensorFlow's tensors.
+        info = _allocator_info()
+        if info is not None:
+            self.allocator[self.phase] = {k: v / MIB for k, v in info.items()}
+
+
+def _allocator_info():
+    """``{"current", "peak"}`` bytes of TensorFlow's CPU allocator, then its
+    peak reset (None where TensorFlow does not count)."""
+    import tensorflow as tf
+
+    try:
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return None
+    return info
 
 
 def _phase_callback(sampler):
@@ -355,6 +385,9 @@ def measure(config, model, steps, per_replica_batch, strategy=None):
         "phase_peak_mib": phase_peaks,
         # ru_maxrss at the end of each phase, MiB: the high-water mark's growth.
         "phase_high_water_mib": {k: v / MIB for k, v in sampler.high_water.items()},
+        # TensorFlow's allocator per phase, MiB: {"current": live at the
+        # end, "peak": the live tensors' peak in the phase}.
+        "phase_allocator_mib": sampler.allocator,
     }
     for cb in callbacks:
         if hasattr(cb, "state_bytes"):

@@ -153,6 +153,7 @@ def rank_figures(result):
     """One rank's measured figures (MiB above its baseline) from
     `memory.measure`'s result."""
     base = result["peak_rss_before_build"]
+    allocator = result.get("phase_allocator_mib", {})
     steps = sorted((p for p in result["phase_peak_mib"] if p.startswith("step ")),
                    key=lambda p: int(p.split()[1]))
     return {
@@ -165,6 +166,11 @@ def rank_figures(result):
         "step_high_water_mib": [
             result["phase_high_water_mib"].get(p, 0.0) - base / MIB for p in steps
         ],
+        # TensorFlow's live tensors (its allocator's count, from zero): the
+        # peak over build and fit, and each step's. Empty where TensorFlow
+        # does not count (the system allocator).
+        "allocator_peak_mib": max((a["peak"] for a in allocator.values()), default=None),
+        "step_allocator_peak_mib": [allocator[p]["peak"] for p in steps if p in allocator],
     }
 
 
@@ -196,6 +202,10 @@ def row(config, model, n, per_replica_batch, ranks):
         # (step 0 traces and builds the optimizer's state).
         "growth_after_first_mib": (high[-1] - high[1]) if len(high) > 2 else 0.0,
         "baseline_mib": max(r["baseline_mib"] for r in ranks),
+        "allocator_peak_mib": max(
+            (r["allocator_peak_mib"] for r in ranks if r.get("allocator_peak_mib") is not None),
+            default=None,
+        ),
     }
 
 

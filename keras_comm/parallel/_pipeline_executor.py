@@ -53,7 +53,9 @@ class Executor:
         self.mb = tf.shape(x)[0] // m
         self.h_in, self.h_out, self.tapes, self.g_out, self.dx = {}, {}, {}, {}, {}
         self.losses = {}
-        self.dflat = None
+        # The stage weights' gradients, summed over the micro-batches so far
+        # (one per stage weight; see `weight_gradient`).
+        self.dvalues = None
         self.pending = []  # sends, kept alive through the outputs
         self.last = None
 
@@ -92,7 +94,7 @@ class Executor:
                 self.state = self.layer._replace_state(self.state, self.s, held, new_state)
             if self.loss_fn is not None and self.s == self.p - 1:
                 self.losses[i] = self.loss_fn(i, y)
-        self.tapes[i] = (tape, x, y)
+        self.tapes[i] = (tape, x, y, values)
         self.h_out[i] = y
         return y
 
@@ -126,20 +128,28 @@ class Executor:
         return g
 
     def _backward(self, i):
-        tape, x, y = self.tapes.pop(i)
+        tape, x, y, values = self.tapes.pop(i)
         if self.loss_fn is not None and self.s == self.p - 1:
             target, grads = self.losses.pop(i), None
         else:
             target, grads = y, self.g_out.pop(i)
-        sources = [x, self.flat] if x.dtype.is_floating else [self.flat]
+        # The gradient of each stage weight (a slice of the buffer), not of
+        # the buffer: the buffer's would be one buffer-sized tensor per
+        # slice (a slice's gradient is the whole input, zeros around the
+        # slice) summed at the end, several times the stage's size at once.
+        sources = ([x] if x.dtype.is_floating else []) + list(values)
         out = tape.gradient(target, sources, output_gradients=grads)
-        dflat = out[-1]
-        if dflat is None:
-            dflat = tf.zeros_like(self.flat)
-        self.dflat = dflat if self.dflat is None else self.dflat + dflat
+        dvalues = [
+            g if g is not None else tf.zeros_like(v)
+            for g, v in zip(out[len(out) - len(values):], values)
+        ]
+        if self.dvalues is None:
+            self.dvalues = dvalues
+        else:
+            self.dvalues = [a + g for a, g in zip(self.dvalues, dvalues)]
         if x.dtype.is_floating:
             self.dx[i] = out[0] if out[0] is not None else tf.zeros_like(x)
-        return self.dflat
+        return tf.group(*self.dvalues)  # what the next instruction waits for
 
     def _send_grad(self, i):
         prev = self.ranks[self.s - 1]
@@ -158,4 +168,11 @@ class Executor:
         return p2p._after(g, self.pending + [self.last])
 
     def weight_gradient(self):
-        return p2p._after(self.dflat, self.pending + [self.last])
+        """This replica's buffer gradient: the stage weights' summed
+        gradients laid out as the buffer holds them (one concatenation)."""
+        held = self.layer._held_stages(self.rank)
+        if self.dvalues is None:
+            dflat = tf.zeros_like(self.flat)
+        else:
+            dflat = self.layer._flat_gradient(self.dvalues, self.s, held, self.flat)
+        return p2p._after(dflat, self.pending + [self.last])

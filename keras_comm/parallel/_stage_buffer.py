@@ -388,6 +388,21 @@ class StageBuffer:
             for shape, off, size in layout[s][0]
         ]
 
+    def _flat_gradient(self, grads, s, held, flat):
+        """The buffer's gradient from stage s's weights' gradients `grads`:
+        them flattened at their places, zeros elsewhere (the other held
+        stages' parts and the padding), like `_stage_values` reads them."""
+        pieces, start = [], 0
+        for h in held:
+            if h == s:
+                pieces += [tf.reshape(tf.cast(g, flat.dtype), [-1]) for g in grads]
+            elif self._layout[h][1]:
+                pieces.append(tf.zeros([self._layout[h][1]], flat.dtype))
+            start += self._layout[h][1]
+        padding = tf.shape(flat)[0] - start
+        pieces.append(tf.zeros([padding], flat.dtype))
+        return tf.concat(pieces, 0)
+
     def _state_tensor(self):
         if self._state_buffer is None:
             return None
