@@ -239,15 +239,26 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
         self._create_state(inner)
         self._hidden.initial = None
 
-    def _adopt(self, layer):
-        """Takes `layer` itself (built, inside a model) as the inner layer.
+    @classmethod
+    def _in_place(cls, layer, **options):
+        """A wrapper holding `layer` itself (built, inside a model) as its inner layer.
 
         `fully_shard` on a model it shards in place (a KerasHub backbone or
         task) wraps each layer that owns weights where it stands: the
-        layer's current values become the shards' initial values and its
-        own storage is freed, so it serves as the inner layer (shapes,
-        dtypes, structure) as a stateless copy would.
+        layer's current values (or, built inside `deferred_weights`, its
+        initializers) give the shards' initial values and its own storage
+        is freed, so the layer serves as the inner layer (shapes, dtypes,
+        structure) as the stateless copy the constructor makes would. The
+        wrapper is built; `options` are the constructor's.
         """
+        # A stand-in with the layer's name and policy: the constructor
+        # copies a built layer from its config and reads its values, which
+        # this wrapper takes from the layer itself.
+        wrapper = cls(keras.layers.Identity(name=layer.name, dtype=layer.dtype_policy), **options)
+        wrapper._adopt(layer)
+        return wrapper
+
+    def _adopt(self, layer):
         own = keras_api.own_weights(layer)
         # A weight built under `deferred_weights` has no value yet: its
         # initializer (seeded when the layer was made) gives the value the

@@ -221,8 +221,7 @@ def _shard_in_place(model, options):
     # wrapper broadcasts worker 0's values and frees the layer's storage
     # before the next, so one layer's full weights are held at a time.
     for layer in owners:
-        wrapper = FullyShard(layer, **options)
-        wrapper._adopt(layer)
+        wrapper = FullyShard._in_place(layer, **options)
         keras_api.share_nodes(layer, wrapper)
         replacements[id(layer)] = wrapper
     for container in layers:
