@@ -727,9 +727,13 @@ def replace_layers(container, replacements):
         if id(value) in replacements:
             object.__setattr__(container, name, swap(value))
         elif isinstance(value, list):
-            for i, x in enumerate(value):
+            # Keras's TrackedList would track the new layer again (not
+            # through list.__setitem__); TensorFlow's ListWrapper keeps its
+            # items elsewhere and needs its own __setitem__.
+            setitem = list.__setitem__ if type(value).__name__ == "TrackedList" else type(value).__setitem__
+            for i, x in enumerate(list(value)):
                 if id(x) in replacements:
-                    list.__setitem__(value, i, swap(x))
+                    setitem(value, i, swap(x))
         elif isinstance(value, tuple) and any(id(x) in replacements for x in value):
             object.__setattr__(container, name, tuple(swap(x) for x in value))
         elif isinstance(value, dict):

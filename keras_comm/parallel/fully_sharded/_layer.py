@@ -254,7 +254,7 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
         # A stand-in with the layer's name and policy: the constructor
         # copies a built layer from its config and reads its values, which
         # this wrapper takes from the layer itself.
-        wrapper = cls(keras.layers.Identity(name=layer.name, dtype=layer.dtype_policy), **options)
+        wrapper = cls(keras.layers.Layer(name=layer.name, dtype=layer.dtype_policy), **options)
         wrapper._adopt(layer)
         return wrapper
 
