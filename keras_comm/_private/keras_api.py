@@ -8,6 +8,7 @@ installed Keras version (see `keras_comm.compat.SUPPORTED_KERAS`).
 mirrors; tests/compat/test_private_api.py hashes their source per Keras version.
 """
 
+import contextlib
 import sys
 
 import keras
@@ -674,12 +675,46 @@ def sublayers(layer):
     return layer._flatten_layers(include_self=False, recursive=True)
 
 
-def queued_uninitialized():
-    """The variables a `keras.StatelessScope` created and Keras will
-    allocate when the next initializing scope closes, in creation order."""
-    from keras.src.backend.common import global_state
+_DEFERRING = []
 
-    return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+def deferring_variables():
+    """Whether a `deferred_variables` block is running."""
+    return bool(_DEFERRING)
+
+
+@contextlib.contextmanager
+def deferred_variables():
+    """Inside, Keras variables created from an initializer get no storage.
+
+    Each keeps its shape, dtype and initializer, `_value` None (what a
+    `keras.StatelessScope` makes, `is_uninitialized`), and is not queued for
+    allocation. Variables created from a value (an optimizer's iteration
+    count, which a KerasHub task's constructor makes by compiling) are
+    created as usual, which a stateless scope refuses. Yields the list of
+    the variables deferred, in creation order. Replaces
+    `Variable._initialize_with_initializer` (keras_comm.distribution's
+    hook included) while the block runs.
+    """
+    cls = keras.Variable
+    installed = cls.__dict__.get("_initialize_with_initializer")
+    made = []
+
+    def defer(self, initializer):
+        self._value = None
+        self._initializer = initializer
+        made.append(self)
+
+    cls._initialize_with_initializer = defer
+    _DEFERRING.append(made)
+    try:
+        yield made
+    finally:
+        _DEFERRING.pop()
+        if installed is None:
+            del cls._initialize_with_initializer
+        else:
+            cls._initialize_with_initializer = installed
 
 
 def allocate(variables):

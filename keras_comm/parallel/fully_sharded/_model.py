@@ -165,12 +165,18 @@ def fully_shard(
         seed=seed,
         prefetch=prefetch,
     )
+    if keras_api.deferring_variables():
+        raise ValueError(
+            "fully_shard creates each weight's shards, which `deferred_weights()` "
+            "would leave unallocated: call it after the `deferred_weights()` "
+            f"block, inside the strategy's scope. Received: model={model.name!r} "
+            "inside deferred_weights()"
+        )
     if keras_api.in_stateless_scope():
         raise ValueError(
             "fully_shard creates the shards as variables, so it must be called "
-            "outside `deferred_weights()` (and any keras.StatelessScope), inside "
-            "the strategy's scope: build the model in `deferred_weights()`, "
-            f"then shard it. Received: model={model.name!r} inside a stateless scope"
+            "outside any keras.StatelessScope, inside the strategy's scope. "
+            f"Received: model={model.name!r} inside a stateless scope"
         )
     if not _is_plain(model):
         return _shard_in_place(model, options)
@@ -229,7 +235,10 @@ def _shard_in_place(model, options):
     _set_checkpoint_names(model)
     # State that is no weight (a Dropout's seed generator), made under
     # `deferred_weights`, is small: it is allocated whole.
-    keras_api.allocate([v for l in keras_api.sublayers(model) for v in l.variables])
+    left = list(model.variables) + [v for l in keras_api.sublayers(model) for v in l.variables]
+    if getattr(model, "optimizer", None) is not None:
+        left += list(model.optimizer.variables)
+    keras_api.allocate(left)
     return model
 
 
@@ -262,13 +271,8 @@ def deferred_weights():
         model.compile(...)
     ```
     """
-    before = {id(v) for v in keras_api.queued_uninitialized()}
-    try:
-        with keras.StatelessScope(initialize_variables=False):
-            yield
-    finally:
-        made = [v for v in keras_api.queued_uninitialized() if id(v) not in before]
-        keras_api.keep_uninitialized(made)
+    with keras_api.deferred_variables():
+        yield
 
 
 @contextlib.contextmanager
