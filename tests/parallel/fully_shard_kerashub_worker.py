@@ -51,7 +51,7 @@ def compile_model(model, name, optimizer):
     )
 
 
-def train_and_compare(strategy, name, tmp=None, steps=2, dtype=None, deferred=False, optimizer=None):
+def train_and_compare(strategy, name, tmp=None, steps=2, deferred=False, optimizer=None):
     """Trains `name` fully sharded and alone; returns the comparisons.
 
     `deferred`: the sharded model is built inside `deferred_weights()`
@@ -59,12 +59,7 @@ def train_and_compare(strategy, name, tmp=None, steps=2, dtype=None, deferred=Fa
     "adam" or "sgd" (default: `OPTIMIZERS[name]`).
     """
     optimizer = optimizer or OPTIMIZERS[name]
-    if dtype is not None:
-        keras.config.set_floatx(dtype)
-    try:
-        out = _train_and_compare(strategy, name, tmp, steps, deferred, optimizer)
-    finally:
-        keras.config.set_floatx("float32")
+    out = _train_and_compare(strategy, name, tmp, steps, deferred, optimizer)
     out["optimizer"] = optimizer
     return out
 

@@ -55,13 +55,6 @@ def test_a_model_built_in_deferred_weights_is_never_whole(name, tmp_path):
 
 
 @pytest.mark.inprocess
-def test_float64_gpt2_fully_sharded_matches_one_process(tmp_path):
-    out = cases.train_and_compare(make_strategy(2), "gpt2", tmp=str(tmp_path), dtype="float64")
-    print(out)
-    assert not cases.check(out, 1e-9, 2), out
-
-
-@pytest.mark.inprocess
 def test_in_place_wrapping_keeps_the_models_structure():
     """Every layer owning weights is wrapped where it stands: in the
     backbone's graph and as the attributes the task's `generate()` calls;
@@ -124,7 +117,7 @@ def test_a_layer_owning_weights_and_weighted_sublayers_is_named():
     with strategy.scope():
         net = Net()
         net(np.zeros((2, 4), "float32"))
-        with pytest.raises(ValueError, match=r"layer 'mixed' owns weights \('mixed/scale'\).*Received: layer=Mixed"):
+        with pytest.raises(ValueError, match=r"layer 'mixed' owns weights \('(net/)?mixed/scale'\).*Received: layer=Mixed"):
             P.fully_shard(net)
 
 
