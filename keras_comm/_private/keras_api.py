@@ -8,6 +8,7 @@ installed Keras version (see `keras_comm.compat.SUPPORTED_KERAS`).
 mirrors; tests/compat/test_private_api.py hashes their source per Keras version.
 """
 
+import contextlib
 import sys
 
 import keras
@@ -655,6 +656,141 @@ def deferred_initializer(variable):
     variable.
     """
     return variable._initializer
+
+
+def own_weights(layer):
+    """The weights `layer` created itself (not its sublayers'), in its order.
+
+    `Layer.weights` lists a layer's own variables and then its sublayers';
+    `fully_shard` on a model it shards in place wraps each layer that owns
+    weights, so it needs the first part alone.
+    """
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def sublayers(layer):
+    """Every layer below `layer` (nested in any depth, each once), in
+    Keras's own walk (`Layer._flatten_layers`): the same order on every
+    worker."""
+    return layer._flatten_layers(include_self=False, recursive=True)
+
+
+_DEFERRING = []
+
+
+def deferring_variables():
+    """Whether a `deferred_variables` block is running."""
+    return bool(_DEFERRING)
+
+
+@contextlib.contextmanager
+def deferred_variables():
+    """Inside, Keras variables created from an initializer get no storage.
+
+    Each keeps its shape, dtype and initializer, `_value` None (what a
+    `keras.StatelessScope` makes, `is_uninitialized`), and is not queued for
+    allocation. Variables created from a value (an optimizer's iteration
+    count, which a KerasHub task's constructor makes by compiling) are
+    created as usual, which a stateless scope refuses. Yields the list of
+    the variables deferred, in creation order. Replaces
+    `Variable._initialize_with_initializer` (keras_comm.distribution's
+    hook included) while the block runs.
+    """
+    cls = keras.Variable
+    installed = cls.__dict__.get("_initialize_with_initializer")
+    made = []
+
+    def defer(self, initializer):
+        self._value = None
+        self._initializer = initializer
+        made.append(self)
+
+    cls._initialize_with_initializer = defer
+    _DEFERRING.append(made)
+    try:
+        yield made
+    finally:
+        _DEFERRING.pop()
+        if installed is None:
+            del cls._initialize_with_initializer
+        else:
+            cls._initialize_with_initializer = installed
+
+
+def allocate(variables):
+    """Allocates deferred Keras variables now, from their initializers."""
+    for v in variables:
+        if is_uninitialized(v):
+            v._deferred_initialize()
+
+
+def drop_storage(variables):
+    """Frees the storage of built Keras variables and leaves them as if
+    created in a `keras.StatelessScope` (shape, dtype and a zeros
+    placeholder for shape tracing; `is_uninitialized` is then True).
+
+    `fully_shard` on a model it shards in place keeps each wrapped layer as
+    its `FullyShard`'s inner layer, which must hold no full-size weight.
+    """
+    for v in variables:
+        v._value = None
+        v._initializer = keras.initializers.Zeros()
+
+
+def replace_layers(container, replacements):
+    """Points every reference `container` holds to a layer in `replacements`
+    (``{id(old): new}``) at the new layer, in place and in the same position.
+
+    References are the container's tracked sublayers (`Layer._layers`, whose
+    order gives `weights`' order), its attributes (lists, tuples and dicts of
+    layers included) and, for a Functional model, the operations and nodes
+    of its graph (`Function._operations`, `_operations_by_depth`,
+    `_nodes_by_depth`). A KerasHub backbone reaches a layer both ways: its
+    graph calls it and its task calls it as an attribute in `generate()`.
+    """
+    from keras.src.ops.function import Function
+
+    def swap(x):
+        return replacements.get(id(x), x)
+
+    layers = getattr(container, "_layers", None)
+    if layers is not None:
+        layers[:] = [swap(x) for x in layers]
+    for name, value in list(vars(container).items()):
+        if name == "_layers":
+            continue
+        if id(value) in replacements:
+            object.__setattr__(container, name, swap(value))
+        elif isinstance(value, list):
+            # Keras's TrackedList would track the new layer again (not
+            # through list.__setitem__); TensorFlow's ListWrapper keeps its
+            # items elsewhere and needs its own __setitem__.
+            setitem = list.__setitem__ if type(value).__name__ == "TrackedList" else type(value).__setitem__
+            for i, x in enumerate(list(value)):
+                if id(x) in replacements:
+                    setitem(value, i, swap(x))
+        elif isinstance(value, tuple) and any(id(x) in replacements for x in value):
+            object.__setattr__(container, name, tuple(swap(x) for x in value))
+        elif isinstance(value, dict):
+            for k, x in list(value.items()):
+                if id(x) in replacements:
+                    dict.__setitem__(value, k, swap(x))
+    if isinstance(container, Function):
+        container._operations[:] = [swap(x) for x in container._operations]
+        for ops in container._operations_by_depth.values():
+            ops[:] = [swap(x) for x in ops]
+        for nodes in container._nodes_by_depth.values():
+            for node in nodes:
+                if id(node.operation) in replacements:
+                    node.operation = swap(node.operation)
+
+
+def share_nodes(old, new):
+    """Gives `new` the graph nodes of `old`, whose place it takes
+    (`replace_layers`): Keras finds a node's index in its operation's
+    `_inbound_nodes`."""
+    new._inbound_nodes = old._inbound_nodes
+    new._outbound_nodes = old._outbound_nodes
 
 
 def _saving_lib():

@@ -26,7 +26,9 @@ from keras_comm.parallel.fully_sharded import Accumulation
 from keras_comm.parallel.fully_sharded import FlatShardSpec
 from keras_comm.parallel.fully_sharded import FullyShard
 from keras_comm.parallel.fully_sharded import full_weights
+from keras_comm.parallel.fully_sharded import deferred_weights
 from keras_comm.parallel.fully_sharded import fully_shard
+from keras_comm.parallel.fully_sharded import gathered
 from keras_comm.parallel.fully_sharded import replica_state_bytes
 from keras_comm.parallel.fully_sharded import set_checkpoint_names
 from keras_comm.parallel.fully_sharded import set_full_weights
@@ -62,10 +64,12 @@ __all__ = [
     "RowParallelDense",
     "ShardSpec",
     "add_sharded_weight",
+    "deferred_weights",
     "assign_process_shards",
     "full_weights",
     "fully_shard",
     "gather_full",
+    "gathered",
     "is_sharded",
     "process_shards",
     "replica_state_bytes",

@@ -100,3 +100,21 @@ def test_fully_sharded_fits_on_four_processes(tmp_path):
     for rank, r in enumerate(result.results):
         assert r["n"] == 4 and r["rank"] == rank
         _check_grid(r, rank, REAL_GRID_FULL)
+
+
+@pytest.mark.multiprocess
+def test_kerashub_models_fully_sharded_across_processes(tmp_path):
+    """One launch of 2 workers (tests/parallel/fully_shard_kerashub_worker.py):
+    KerasHub's GPT-2, Llama and Gemma causal LMs sharded in place, and GPT-2
+    built inside `deferred_weights()`, each trained on global batches vs the
+    same model trained in each worker's process alone; then `generate()`
+    inside `gathered` and `.weights.h5` files both ways."""
+    import fully_shard_kerashub_worker as hub
+
+    result = run_cluster("parallel/fully_shard_kerashub_worker.py", 2, tmp_path, timeout=900).check()
+    for rank, r in enumerate(result.results):
+        print(rank, r)
+        assert set(r) == set(hub.MODELS) | {"gpt2-deferred"}, r
+        for case, out in r.items():
+            assert not hub.check(out, RTOL, 2), (rank, case, out)
+        assert r["gpt2-deferred"]["unallocated_before_sharding"] is True, r

@@ -62,9 +62,11 @@ whole model, its full weights and memory).
 """
 
 from keras_comm.parallel.fully_sharded._layer import FullyShard
+from keras_comm.parallel.fully_sharded._model import deferred_weights
 from keras_comm.parallel.fully_sharded._model import full_weights
 from keras_comm.parallel.fully_sharded._model import fully_shard
 from keras_comm.parallel.fully_sharded._model import fully_sharded_layers
+from keras_comm.parallel.fully_sharded._model import gathered
 from keras_comm.parallel.fully_sharded._model import replica_state_bytes
 from keras_comm.parallel.fully_sharded._model import set_checkpoint_names
 from keras_comm.parallel.fully_sharded._model import set_full_weights
@@ -75,9 +77,11 @@ __all__ = [
     "Accumulation",
     "FlatShardSpec",
     "FullyShard",
+    "deferred_weights",
     "full_weights",
     "fully_shard",
     "fully_sharded_layers",
+    "gathered",
     "replica_state_bytes",
     "set_checkpoint_names",
     "set_full_weights",

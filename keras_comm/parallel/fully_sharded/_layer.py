@@ -9,9 +9,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_comm import _validation
+from keras_comm import topology
 from keras_comm._private import keras_api
 from keras_comm.ops import _differentiable as D
 from keras_comm.parallel import _checkpoint
+from keras_comm.parallel import _collectives
 from keras_comm.parallel import _common
 from keras_comm.parallel import _initial
 from keras_comm.parallel import mesh as mesh_lib
@@ -237,6 +239,45 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
         self._create_state(inner)
         self._hidden.initial = None
 
+    @classmethod
+    def _in_place(cls, layer, **options):
+        """A wrapper holding `layer` itself (built, inside a model) as its inner layer.
+
+        `fully_shard` on a model it shards in place (a KerasHub backbone or
+        task) wraps each layer that owns weights where it stands: the
+        layer's current values (or, built inside `deferred_weights`, its
+        initializers) give the shards' initial values and its own storage
+        is freed, so the layer serves as the inner layer (shapes, dtypes,
+        structure) as the stateless copy the constructor makes would. The
+        wrapper is built; `options` are the constructor's.
+        """
+        # A stand-in with the layer's name and policy: the constructor
+        # copies a built layer from its config and reads its values, which
+        # this wrapper takes from the layer itself.
+        wrapper = cls(keras.layers.Layer(name=layer.name, dtype=layer.dtype_policy), **options)
+        wrapper._adopt(layer)
+        return wrapper
+
+    def _adopt(self, layer):
+        own = keras_api.own_weights(layer)
+        # A weight built under `deferred_weights` has no value yet: its
+        # initializer (seeded when the layer was made) gives the value the
+        # unsharded model gets, one weight at a time.
+        initial = [
+            keras_api.deferred_initializer(w) if keras_api.is_uninitialized(w)
+            else np.asarray(keras.ops.convert_to_numpy(w))
+            for w in own
+        ]
+        keras_api.drop_storage(own)
+        self._hidden = Hidden(layer, initial)
+        self._check_inner(layer)
+        self._hidden.takes_training = "training" in inspect.signature(layer.call).parameters
+        self._hidden.num_variables = len(layer.variables)
+        self._create_state(layer)
+        self._hidden.initial = None
+        self.supports_masking = layer.supports_masking
+        self.built = True
+
     def _check_inner(self, inner):
         name = inner.name
         weight_ids = {id(w) for w in inner.weights}
@@ -290,7 +331,10 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
 
         def compute():
             if self._hidden.initial is not None:
-                return self._hidden.initial[[id(v) for v in inner.weights].index(id(w))]
+                value = self._hidden.initial[[id(v) for v in inner.weights].index(id(w))]
+                if callable(value):  # the initializer of a deferred weight, as Keras calls it
+                    value = value(tuple(w.shape), dtype=keras_api.variable_dtype(w))
+                return np.asarray(keras.ops.convert_to_numpy(value))
             init = keras_api.deferred_initializer(w)
             if isinstance(init, keras.initializers.Initializer):
                 config = init.get_config()
@@ -409,8 +453,12 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
                 out[i] = x
             return out
 
-        shards = [tf.convert_to_tensor(keras_api.tf_variable(s)) for s in self._shards]
         non_trainable = [tf.convert_to_tensor(keras_api.tf_variable(v)) for v in self._non_trainable]
+        if self._outside_replica_step():
+            full = [tf.constant(v) for v in self._host_full()]
+            flat_y, _, _, y = self._run(full, non_trainable, leaves, structure, extra)
+            return tf.nest.pack_sequence_as(y, flat_y)
+        shards = [tf.convert_to_tensor(keras_api.tf_variable(s)) for s in self._shards]
         ns, nn = len(shards), len(non_trainable)
         meta = {}
 
@@ -471,6 +519,40 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
         for loss in losses:
             self.add_loss(loss)
         return tf.nest.pack_sequence_as(meta["y"], flat_y)
+
+    def _outside_replica_step(self):
+        """Called outside a replica step of the shards' strategy with more than
+        one replica (KerasHub's `generate()`, a model called on the host):
+        no collective can run, so the layer computes on full weights held
+        on the host."""
+        if _collectives.shape_only():
+            return False
+        strategy = sharded_weights.strategy_of(self._shards)
+        if strategy.num_replicas_in_sync == 1:
+            return False
+        context = tf.distribute.get_replica_context()
+        return context is None or context.strategy is not strategy
+
+    def _host_full(self):
+        """The trainable weights, full (numpy): those `gathered` holds, else
+        (one worker only) gathered now."""
+        held = self._hidden.gathered
+        if held is not None:
+            return held
+        strategy = sharded_weights.strategy_of(self._shards)
+        if topology.worker_count(strategy) > 1:
+            raise ValueError(
+                f"FullyShard {self.name!r} is called outside a replica step (e.g. "
+                "`generate()`, or the model called directly) while its weights are "
+                "split over several workers, where it cannot gather them: gather "
+                "them first on every worker, `with keras_comm.parallel.gathered(model): "
+                f"...`. Received: {topology.worker_count(strategy)} workers"
+            )
+        with tf.init_scope():
+            return self._gather_on_host()
+
+    def _gather_on_host(self):
+        return _checkpoint._gather(self, list(zip(self._shards, self._specs)))
 
     # --- Whole weights ------------------------------------------------------
 

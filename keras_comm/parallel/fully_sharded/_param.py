@@ -109,6 +109,7 @@ class Hidden:
         self.takes_training = False
         self.acc = {}
         self.count = None
+        self.gathered = None  # full trainable values held by `gathered`
 
 
 def weight_name(inner, variable):
