@@ -35,6 +35,10 @@ tensorflow/tensorflow#72388), and where it runs it is not exact:
    reduced exactly as upstream. `mark_gradient_reduced(v)` gives `v` the
    identity reduction: for a weight whose gradient a comm layer (e.g.
    `MirrorOperator`) already summed, so that no gradient is reduced twice.
+   A sparse (`tf.IndexedSlices`) gradient then has its duplicate rows summed
+   before the update: upstream applies them one by one, which makes Adam's
+   second moment of a token seen twice in a batch ``g1**2 + g2**2`` instead
+   of ``(g1 + g2)**2`` (`training.reduction.sum_duplicate_rows`).
 
 5. `keras.callbacks.CallbackList.__init__` is wrapped so that, under
    MultiWorkerMirroredStrategy with more than one worker, Keras's

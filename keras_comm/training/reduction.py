@@ -106,14 +106,41 @@ def _bucketed(original, optimizer, grads_and_vars, bucket_bytes):
     return out
 
 
+def sum_duplicate_rows(grad):
+    """`grad` with each row index once, duplicates summed (a sparse gradient).
+
+    An embedding's gradient is a `tf.IndexedSlices` with one row per looked-up
+    token, so a token seen twice in a batch appears twice. Keras 3's
+    TensorFlow optimizers apply such a gradient as it is, and a non-linear
+    update then treats the rows one by one: Adam's second moment gets
+    ``g1**2 + g2**2`` where the gradient's row is ``g1 + g2`` and the update
+    wants ``(g1 + g2)**2``. That is not Adam (Keras on JAX, tf-keras and a
+    dense gradient all give the sum's square), and it differs from the same
+    model whose gradient arrives dense — e.g. an embedding split by a
+    `keras.distribution` layout. Summing the duplicates first (tf-keras's
+    `_deduplicate_indexed_slices`) makes every update the optimizer's own
+    maths on the true gradient; linear updates (SGD) are unchanged.
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    unique, positions = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, positions, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, grad.dense_shape)
+
+
 def all_reduce_sum_gradients(self, grads_and_vars):
     """Replaces `TFOptimizer._all_reduce_sum_gradients` (an optimizer method).
 
     Variables without a hook are reduced as upstream: one batched
     all-reduce, or with `keras_comm.set_gradient_bucket_bytes(n)` one per
     bucket, last layer first (see `gradient_buckets`); each hooked
-    variable's gradient goes through its hook.
+    variable's gradient goes through its hook. Sparse gradients then have
+    their duplicate rows summed (`sum_duplicate_rows`).
     """
+    return [(sum_duplicate_rows(g), v) for g, v in _reduce_each(self, grads_and_vars)]
+
+
+def _reduce_each(self, grads_and_vars):
     original = keras_api.upstream_gradient_reduction()
     grads_and_vars = list(grads_and_vars)
     bucket_bytes = config.get_gradient_bucket_bytes()

@@ -19,14 +19,10 @@ RTOL = 1e-5
 @pytest.mark.multiprocess
 def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
     result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, timeout=900).check()
-    llama_off = []
     for rank, r in enumerate(result.results):
         print(rank, r)
         for case, out in r.items():
             for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
-                if case.startswith("llama") and key != "initial" and out[key] > RTOL:
-                    llama_off.append((rank, case, key, out[key]))
-                    continue
                 assert out[key] <= RTOL, (rank, case, key, out)
             assert out["generate_equal"], (rank, case, out)
             if case.endswith("-model"):
@@ -35,9 +31,3 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
                 assert out["stored_fraction"] < 0.7, (rank, case, out)
             else:
                 assert out["split"] == 0, (rank, case, out)
-    # Llama under its layout map deviates from one process (3e-4 relative in
-    # the loss, cause not found; see test_distribution.py): every other check
-    # above holds for it, and this fails once Llama matches.
-    if llama_off:
-        pytest.xfail(f"Llama deviates from one process: {llama_off}")
-    pytest.fail("Llama now matches one process: remove the xfail for it here and in test_distribution.py")
