@@ -102,6 +102,7 @@ PO_PER_REPLICA_BATCH = 64
 NT_PER_REPLICA_BATCH = 32
 MEMORY_PER_REPLICA_BATCH = 32
 FSDP_PER_REPLICA_BATCH = 32
+PIPELINE_BATCH = 240
 
 
 def _load_launch():
@@ -447,8 +448,10 @@ def main(argv=None):
         # (Not in --smoke: one more job launch would not fit the smoke test's budget.)
         if not args.no_pipeline and args.mode != "smoke":
             say(f"[pipeline] stages {p['workers']}")
+            # A global batch of 240 divides evenly over 2, 3, 4 or 5 stages (the
+            # pipeline gathers the batch over its group, which needs equal shares).
             results["pipeline"] = pipeline.run_all(
-                p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee,
+                p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee, batch=PIPELINE_BATCH,
                 **({"steps": 3, "rounds": 2} if args.mode == "quick" else {}),
             )
         # ... tf-keras next to keras_comm, jobs alternating ...
