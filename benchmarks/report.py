@@ -1,10 +1,15 @@
-"""Turns the merged results into benchmarks.md and PNG plots (matplotlib).
+"""Turns the merged results into tables and PNG plots (matplotlib).
 
-`write_markdown(results, path)` and `write_plots(results, out_dir)` read only
-the JSON-able dict `benchmarks.run` builds, so a report can be regenerated
-from a saved ``benchmarks.json`` without rerunning anything:
+`write_markdown(results, path)`, `write_results(results, out_dir)` and
+`write_plots(results, out_dir)` read only the JSON-able dict
+`benchmarks.run` builds, so a report can be regenerated from a saved
+``benchmarks.json`` without rerunning anything:
 
     python -m benchmarks.report results/benchmarks.json [--out DIR]
+
+`write_results` makes the documentation's tables: one docs/results/NAME.json
+per table (title, date, machine, command, columns, rows), which
+docs/_hooks.py renders where a page says ``<!-- results: NAME -->``.
 """
 
 import json
@@ -136,8 +141,7 @@ def markdown(results):
         f"Machine: {m['cpu_count']} cores ({m.get('cpu_model', '?')}), {m.get('memory_gb', '?')} GB, "
         f"{m['platform']}; Python {m['python']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
-        + f". Load average before/after: {m.get('loadavg_before')} / {m.get('loadavg_after')}."
-        + f" keras_comm source: {results.get('source', {}).get('keras_comm', '?')}."
+        + f". keras_comm source: {results.get('source', {}).get('keras_comm', '?')}."
     )
     out.append("")
     out.append("## What limits each figure")
@@ -322,9 +326,6 @@ def _peers_section(peers):
          "ratio per round", "ratio inside epochs", "keras_comm worst excess s", "tf-keras worst excess s", "jobs"],
         rows,
     ))
-    load = peers.get("loadavg")
-    if load:
-        out.append(f"\nLoad average (1, 5, 15 min) before / after: {load[0]} / {load[1]}.")
     out.append("")
     return out
 
@@ -601,22 +602,348 @@ def write_plots(results, out_dir):
     return [str(p) for p in paths]
 
 
+# ---------------------------------------------------------------------------
+# docs/results/NAME.json: the tables the documentation shows.
+#
+# Every figure a page quotes lives in one such file (docs/_hooks.py renders
+# it, with its date, machine and command). `results_files` makes them from a
+# run's results; `benchmarks.run --docs` writes them into docs/results/ (only
+# the families the run measured: the others keep the run that measured them).
+
+def machine_line(machine):
+    """'a 2-core CPU machine (AMD EPYC 7B13, 23.5 GB; TensorFlow 2.21.0, Keras 3.15.1)'."""
+    versions = machine.get("versions", {})
+    parts = [machine.get("cpu_model") or "CPU model unknown"]
+    if machine.get("memory_gb"):
+        parts[0] += f", {machine['memory_gb']} GB"
+    software = ", ".join(f"{label} {versions[name]}" for name, label in
+                         (("tensorflow", "TensorFlow"), ("keras", "Keras")) if versions.get(name))
+    return f"a {machine.get('cpu_count', '?')}-core CPU machine ({parts[0]}" + (f"; {software})" if software else ")")
+
+
+def _spread(mid, lo, hi, spec=".2f"):
+    """'1.03 [0.97, 1.10]': a median and its spread."""
+    if lo is None or hi is None:
+        return _fmt(mid, spec)
+    return f"{_fmt(mid, spec)} [{_fmt(lo, spec)}, {_fmt(hi, spec)}]"
+
+
+def _collective_files(results):
+    files = {}
+    for n, ops in sorted(results.get("collectives", {}).items(), key=lambda kv: int(kv[0])):
+        if "error" in ops:
+            continue
+        bandwidth, overhead, iters = [], [], set()
+        for op in _stats.OPS:
+            for size, row in ops.get(op, {}).items():
+                v = row["variants"]
+                mpi = _mpi_median(results, n, op, size)
+                ours, raw = v["layer_fwd"], v["raw_fwd"]
+                iters.add(ours["iters"])
+                key = f"{op}, {size} MB"
+                bandwidth.append([
+                    key, _fmt(ours["median_s"] * 1e3), _fmt(raw["median_s"] * 1e3),
+                    _fmt(ours["busbw_GBps"], ".3f"), _fmt(raw["busbw_GBps"], ".3f"),
+                    _fmt(mpi and mpi["busbw_GBps"], ".3f"),
+                ])
+                overhead.append([
+                    key,
+                    _spread(row["ratio_fwd"], row.get("ratio_fwd_p10"), row.get("ratio_fwd_p90")),
+                    _spread(row["ratio_fwd_bwd"], row.get("ratio_fwd_bwd_p10"), row.get("ratio_fwd_bwd_p90")),
+                    _fmt(v["layer_fwd_bwd"]["median_s"] * 1e3), _fmt(v["raw_fwd_bwd"]["median_s"] * 1e3),
+                ])
+        timing = (f"Slowest rank per iteration, median of {'/'.join(str(i) for i in sorted(iters))} "
+                  "timed iterations after warm-up.")
+        mpi_note = results.get("mpi_note") or "MPI not run."
+        files[f"bench_collectives_{n}w"] = {
+            "title": f"Collective bandwidth, {n} workers (forward; busbw in GB/s)",
+            "columns": ["op, size", "keras_comm ms", "raw TF ms", "keras_comm busbw", "raw TF busbw",
+                        "MPI busbw"],
+            "rows": bandwidth,
+            "note": f"{timing} busbw by the nccl-tests formula; 1 MB = 2^20 bytes, GB/s = 1e9 bytes/s. "
+                    f"MPI: {mpi_note}",
+        }
+        files[f"bench_layer_overhead_{n}w"] = {
+            "title": f"Layer overhead, {n} workers: keras_comm time / raw TF time",
+            "columns": ["op, size", "forward [p10, p90]", "forward + backward [p10, p90]",
+                        "keras_comm forward + backward ms", "raw TF forward + backward ms"],
+            "rows": overhead,
+            "note": f"Median of the per-iteration ratios, both timed interleaved in the same "
+                    f"processes; in brackets the 10th and 90th percentiles. {timing}",
+        }
+    rs = results.get("reduce_scatter") or []
+    if rs:
+        files["bench_reduce_scatter"] = {
+            "title": "ReduceScatter on CPU: all-to-all plus a local sum against all-reduce then slice",
+            "columns": ["workers, size", "keras_comm ms", "raw all-to-all + sum ms", "all-reduce + slice ms",
+                        "MiB sent per rank: ours / all-reduce", "all-reduce + slice ÷ ours"],
+            "rows": [[f"{r['workers']} workers, {r['size_mb']:g} MB", _fmt(r["ours_a2a_sum_s"] * 1e3),
+                      _fmt(r["raw_a2a_sum_s"] * 1e3), _fmt(r["allreduce_slice_s"] * 1e3),
+                      f"{_fmt(r['ours_bytes_sent_per_rank'] / _stats.MIB)} / "
+                      f"{_fmt(r['allreduce_bytes_sent_per_rank'] / _stats.MIB)}",
+                      _fmt(r["speedup_vs_allreduce_slice"])] for r in rs],
+            "note": "Medians of the slowest rank's time per iteration.",
+        }
+    return files
+
+
+def _fusion_file(fusion):
+    if not fusion or "error" in fusion or not fusion.get("rows"):
+        return {}
+    rows = []
+    for r in fusion["rows"]:
+        v, c = r["variants"], r["collectives_per_replica"]
+        rows.append([
+            f"{r['count']} × {_fmt(r['size_bytes'] / r['count'] / 1024, '.0f')} KB",
+            _fmt(v["unfused"]["median_s"] * 1e3), _fmt(v["fused"]["median_s"] * 1e3),
+            _fmt(v["raw_packed"]["median_s"] * 1e3), _fmt(r["unfused_over_fused"]),
+            _fmt(r["fused_over_raw_packed"]), " / ".join(f"{c[k]:g}" for k in ("unfused", "fused", "raw_packed")),
+        ])
+    return {"bench_fusion": {
+        "title": f"Fusion: the backward all-reduces of M mirrored parameters, {fusion['workers']} workers",
+        "columns": ["M parameters × size", "unfused ms", "fused ms", "raw packed ms", "unfused ÷ fused",
+                    "fused ÷ raw packed", "all-reduces per replica (unfused / fused / raw packed)"],
+        "rows": rows,
+        "note": "One step is the forward and backward of M mirrored float32 parameters; medians of "
+                "the per-iteration ratios, the three variants interleaved.",
+    }}
+
+
+def _training_files(tr):
+    files = {}
+    scaling = tr.get("scaling")
+    if isinstance(scaling, list) and scaling:
+        files["bench_fit_scaling"] = {
+            "title": "`model.fit` throughput, fixed batch per replica",
+            "columns": ["model, workers", "global batch", "step ms [fastest, slowest round]", "samples/s",
+                        "speedup", "efficiency"],
+            "rows": [[f"{r['model']} ({r['params'] / 1e6:.2f}M parameters), {r['workers']} "
+                      f"worker{'s' if r['workers'] > 1 else ''}",
+                      str(r["global_batch"]),
+                      _spread(r["step_s"] * 1e3, r.get("step_min_s", 0) * 1e3 or None,
+                              r.get("step_max_s", 0) * 1e3 or None, ".1f"),
+                      _fmt(r["samples_per_s"], ".0f"), _fmt(r["speedup"]), _fmt(r["efficiency"])]
+                     for r in scaling],
+            "note": "Median over rounds of the slowest rank's step; speedup over 1 worker, "
+                    "efficiency = speedup / workers.",
+        }
+    po = tr.get("parallel_optimizer") or {}
+    if po.get("rows"):
+        rows = []
+        for r in po["rows"]:
+            c = r["config"]
+            full = r.get("unsharded_state_bytes")
+            rows.append([
+                "plain `fit`" if c is None else f"`accumulation_steps={c[0]}`, `zero_stage={c[1]}`",
+                _fmt(r["micro_batch_s"] * 1e3, ".1f"), _fmt(r.get("vs_plain_fit")),
+                _fmt(r.get("gradient_collectives_per_sample"), ".4f"),
+                _fmt(r["state_bytes"] / _stats.MIB if r.get("state_bytes") is not None else None),
+                _fmt(sum(full.values()) / _stats.MIB if full else None),
+            ])
+        files["bench_parallel_optimizer"] = {
+            "title": f"`ParallelOptimizer` on {tr.get('parallel_optimizer_workers')} workers: time and "
+                     "optimizer state",
+            "columns": ["configuration", "ms / micro-batch", "vs plain `fit`",
+                        "gradient collectives / sample", "state MiB / replica", "unsharded MiB"],
+            "rows": rows,
+            "note": f"784-1024-1024-10 MLP, Adam, global micro-batch {po['rows'][0]['global_micro_batch']}; "
+                    "median over rounds of the slowest rank.",
+        }
+    nt = tr.get("nontrainable") or {}
+    if "workers" in nt:
+        files["bn_sync_cost"] = {
+            "title": "The per-step mean of BatchNormalization's moving statistics: its cost",
+            "columns": ["workers", "step, not synced", "step, synced", "synced ÷ not synced [min, max]",
+                        "the sync alone", "bytes per sync"],
+            "rows": [[str(nt["workers"]), f"{nt['step_s_per_replica'] * 1e3:.1f} ms",
+                      f"{nt['step_s_synced'] * 1e3:.1f} ms",
+                      _spread(nt["ratio"], nt["ratio_min"], nt["ratio_max"]),
+                      f"{nt['sync_alone_s'] * 1e3:.2f} ms", str(nt["sync_bytes"])]],
+            "note": f"ResNet-style CNN of `benchmarks/nontrainable.py` ({nt['bn_layers']} BatchNormalization "
+                    f"layers, {nt['params'] / 1e3:.0f}k parameters), global batch {nt['global_batch']}; "
+                    f"median of {nt['rounds']} interleaved rounds, slowest rank.",
+        }
+    return files
+
+
+def _peers_file(peers):
+    if not peers or not peers.get("rows"):
+        return {}
+    p = peers.get("parameters", {})
+    epochs = p.get("epochs")
+    rows = []
+    for r in peers["rows"]:
+        kc, tk = r.get("keras_comm", {}), r.get("tf_keras", {})
+        fit = (f"{_fmt(kc.get('fit_s'), '.1f')} s vs {_fmt(tk.get('fit_s'), '.1f')} s")
+        rows.append([str(r["workers"]), _fmt(kc.get("samples_per_s"), ".0f"),
+                     _fmt(tk.get("samples_per_s"), ".0f"), _fmt(r.get("ratio")),
+                     _fmt(r.get("in_epoch_ratio")), fit])
+    return {"fit_vs_tf_keras": {
+        "title": "`model.fit` against tf-keras, samples per second",
+        "columns": ["workers", "keras_comm", "tf-keras", "ratio, end to end", "ratio inside epochs",
+                    f"`fit` of {epochs} epochs"],
+        "rows": rows,
+        "note": f"784-1024-1024-10 MLP, Adam, global batch {p.get('global_batch')}, {p.get('samples')} "
+                f"samples per epoch; medians of {p.get('rounds')} rounds × {epochs} epochs, frameworks "
+                "alternating; samples/s from the slowest rank, over the epochs after the first.",
+    }}
+
+
+FSDP_VARIANTS = {"plain": "ZeRO-0 (plain fit)", "zero3": "ZeRO-3", "zero3_noprefetch": "ZeRO-3, no prefetch"}
+
+
+def _fsdp_files(fsdp):
+    by_model = {}
+    for n, s in sorted((fsdp or {}).items(), key=lambda kv: int(kv[0])):
+        if "error" in s:
+            continue
+        for r in s["rows"]:
+            vs = r.get("step_vs_zero0")
+            by_model.setdefault(s["model"], (s, []))[1].append([
+                f"{n} workers, {FSDP_VARIANTS.get(r['variant'], r['variant'])}",
+                f"{r['step_s'] * 1e3:.0f} ({r['step_min_s'] * 1e3:.0f}–{r['step_max_s'] * 1e3:.0f})",
+                f"{r['cpu_s_per_step']:.3f}", f"{r['sent_bytes_per_step'] / _stats.MIB:.2f}",
+                f"{r['sent_over_param_bytes']:.3f}",
+                "" if vs is None else f"{vs:.2f} ({r['step_vs_zero0_min']:.2f}–{r['step_vs_zero0_max']:.2f})",
+                "" if vs is None else f"{r['cpu_vs_zero0']:.2f}",
+            ])
+    files = {}
+    for model, (s, rows) in by_model.items():
+        name = model.replace("mlp", "", 1) if model.startswith("mlp") else model
+        files[f"fsdp_speed_{name}"] = {
+            "title": "Fully sharded (ZeRO-3) against plain data parallelism, step time, CPU and bytes",
+            "columns": ["workers, variant", "ms / step, median (min–max)", "CPU s / step per worker",
+                        "sent MiB / step (counted = formula)", "sent / parameter bytes",
+                        "step vs ZeRO-0 (min–max)", "CPU vs ZeRO-0"],
+            "rows": rows,
+            "note": f"{model}: {s['params'] / 1e6:.1f}M parameters, Adam, {s['global_batch'] // s['workers']} "
+                    f"samples per replica, {s['steps']} steps × {s['rounds']} rounds, the variants "
+                    "alternating in the same workers.",
+        }
+    return files
+
+
+MEMORY_LABELS = {
+    "plain": "plain `fit`", "zero0": "`zero_stage=0`", "zero1": "`zero_stage=1`", "zero2": "`zero_stage=2`",
+    "zero1_acc2": "`zero_stage=1`, `accumulation_steps=2`",
+    "zero2_acc2": "`zero_stage=2`, `accumulation_steps=2`",
+    "zero3": "ZeRO-3 (`FullyShard` on every Dense)",
+}
+
+
+def memory_tables(mem):
+    """{NAME: table} for the memory family: one table per model, a column pair per worker count."""
+    rows = (mem or {}).get("rows") or []
+    files = {}
+    for model in sorted({r["model"] for r in rows}):
+        group = [r for r in rows if r["model"] == model]
+        workers = sorted({r["workers"] for r in group})
+        configs = list(dict.fromkeys(r["config"] for r in group))
+        table = []
+        for config in configs:
+            cells, states = [MEMORY_LABELS.get(config, memory._label(config))], []
+            for n in workers:
+                r = next((x for x in group if (x["config"], x["workers"]) == (config, n)), None)
+                plain = next((x["peak_rss_mib"] for x in group if (x["config"], x["workers"]) == ("plain", n)), None)
+                cells.append(_fmt(r and r["peak_rss_mib"], ".0f"))
+                cells.append("–" if r is None or plain is None or config == "plain"
+                             else f"{round(r['peak_rss_mib']) - round(plain):+d}".replace("-", "−"))
+                state = r and r.get("state_bytes")
+                states.append(f"{sum(state.values()) / _stats.MIB:.0f}" if state else "–")
+            cells.append(" / ".join(states) if any(s != "–" for s in states) else "–")
+            table.append(cells)
+        columns = ["configuration"]
+        for n in workers:
+            columns += [f"{n} workers: peak MiB", f"{n} workers: vs plain `fit`"]
+        columns.append(f"state MiB per replica ({' / '.join(str(n) for n in workers)} workers)")
+        name = model.replace("mlp", "", 1) if model.startswith("mlp") else model
+        files[f"po_memory_{name}"] = {
+            "title": f"Peak resident memory per worker, {model} ({group[0]['params'] / 1e6:.0f}M parameters), Adam",
+            "columns": columns,
+            "rows": table,
+            "note": "One fresh launch per row, the largest rank's `ru_maxrss` over building the model "
+                    "and a few `fit` steps. State: what `ParallelOptimizer.state_bytes()` says a "
+                    "replica holds; for ZeRO-3, `replica_state_bytes` (its weights and slots).",
+        }
+    return files
+
+
+def _pipeline_files(pipeline):
+    summaries = (pipeline or {}).get("summaries") or []
+    if not summaries:
+        return {}
+    ms = sorted({r["micro_batches"] for s in summaries for r in s["rows"]})
+    rows = []
+    for s in summaries:
+        for schedule in dict.fromkeys(r["schedule"] for r in s["rows"]):
+            by_m = {r["micro_batches"]: r for r in s["rows"] if r["schedule"] == schedule}
+            cells = [f"{s['stages']} stages, {schedule}"]
+            for m in ms:
+                r = by_m.get(m)
+                cells.append("–" if r is None else f"{r['measured_bubble']:.2f} ({r['ideal_bubble']:.2f})")
+            first, last = by_m.get(ms[0]), by_m.get(ms[-1])
+            cells.append(f"{_fmt(first and first['step_seconds'] * 1e3, '.0f')} → "
+                         f"{_fmt(last and last['step_seconds'] * 1e3, '.0f')} ms")
+            rows.append(cells)
+    return {"pipeline_bubble": {
+        "title": "Pipeline bubble, measured (ideal), by micro-batches m",
+        "columns": ["stages, schedule"] + [f"m = {m}" for m in ms] + [f"step, m = {ms[0]} → {ms[-1]}"],
+        "rows": rows,
+        "note": "Measured bubble = 1 − m·t/step, t being one stage's forward and backward of one "
+                "micro-batch alone (communication counts as idle); ideal (p−1)/(m+p−1). The slowest "
+                "rank's step, mean bubble over the stages.",
+    }}
+
+
+def results_files(results):
+    """{NAME: the docs/results/NAME.json dict} for every family this run measured."""
+    files = {}
+    files.update(_collective_files(results))
+    files.update(_fusion_file(results.get("fusion")))
+    files.update(_training_files(results.get("training") or {}))
+    files.update(_peers_file(results.get("peers")))
+    files.update(_fsdp_files(results.get("fsdp")))
+    files.update(memory_tables(results.get("memory")))
+    files.update(_pipeline_files(results.get("pipeline")))
+    common = {
+        "date": results["started"][:10],
+        "machine": machine_line(results["machine"]),
+        "command": results.get("command", "python -m benchmarks.run"),
+    }
+    return {name: {"title": f["title"], **common, "columns": f["columns"], "rows": f["rows"],
+                   "note": f["note"]} for name, f in files.items()}
+
+
+def write_results(results, out_dir):
+    """Writes `results_files(results)` as OUT_DIR/NAME.json; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, data in results_files(results).items():
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        paths.append(path)
+    return paths
+
+
 def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.report",
-        description="Redraw benchmarks.md and the plots from a saved benchmarks.json.",
+        description="Redraw benchmarks.md, the docs' tables (results/*.json) and the plots "
+                    "from a saved benchmarks.json.",
     )
     parser.add_argument("results", type=Path, help="a benchmarks.json written by benchmarks.run")
     parser.add_argument("--out", type=Path, default=None,
-                        help="directory for benchmarks.md and the PNGs (default: the JSON's)")
+                        help="directory for benchmarks.md, results/ and the PNGs (default: the JSON's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out or args.results.parent
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads(args.results.read_text())
     results["plots"] = write_plots(results, out)
     write_markdown(results, out / "benchmarks.md")
+    write_results(results, out / "results")
     return 0
 
 

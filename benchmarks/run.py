@@ -7,14 +7,18 @@ MPI job through mpiexec before and after them. Writes to ``--out``:
 
 * ``benchmarks.json`` -- machine info, parameters, every summary figure;
 * ``benchmarks.md``   -- the tables (and the plots, embedded);
-* ``*.png``           -- plots for the docs' performance page;
+* ``results/*.json``  -- the same tables as the documentation shows them
+  (docs/results/NAME.json: title, date, machine, command, columns, rows);
+* ``*.png``           -- plots for the docs' benchmarks page;
 * ``raw/``            -- per-rank timings; ``run.log`` -- all worker output.
 
 Modes: default (full: 1/4/16/64 MB, >= 10 timed iterations, training on
 1/2/4 workers, fusion of 8/32/128 mirrors of 4 and 16 MB in all),
-``--quick`` (under 5 minutes: 2 workers, 1 and 16 MB), ``--smoke``
-(structure only, for the test suite). ``--docs`` copies the
-table, the plots and benchmarks.json into docs/performance/.
+``--quick`` (2 workers, 1 and 16 MB; about 13 minutes on 2 cores),
+``--smoke`` (structure only, for the test suite). ``--docs`` copies
+``results/*.json`` into docs/results/ and the plots into docs/performance/:
+only the families this run measured, so a run of one family (``--no-...``
+for the others) replaces that family's tables and leaves the rest.
 
 The driver itself never imports TensorFlow: the launcher package
 keras_comm_run uses only the standard library (importing keras_comm.launch
@@ -27,6 +31,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,6 +53,7 @@ from benchmarks import training
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 DOCS_DIR = REPO_DIR / "docs" / "performance"
+RESULTS_DIR = REPO_DIR / "docs" / "results"
 
 MODES = {
     "full": {
@@ -96,6 +102,7 @@ PO_PER_REPLICA_BATCH = 64
 NT_PER_REPLICA_BATCH = 32
 MEMORY_PER_REPLICA_BATCH = 32
 FSDP_PER_REPLICA_BATCH = 32
+PIPELINE_BATCH = 240
 
 
 def _load_launch():
@@ -188,7 +195,7 @@ def parse_args(argv=None):
                         help="worker counts for the model.fit scaling runs (default: mode's, full: 1 2 4)")
     parser.add_argument("--out", default="results", help="output directory")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="under 5 minutes: 2 workers, fewer sizes")
+    mode.add_argument("--quick", action="store_true", help="2 workers, fewer sizes (about 13 minutes on 2 cores)")
     mode.add_argument("--smoke", action="store_true", help="tiny run that checks the plumbing")
     parser.add_argument("--sizes", type=float, nargs="+", default=None, help="sizes in MB (2^20 bytes)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (>= 10 for reports)")
@@ -214,7 +221,8 @@ def parse_args(argv=None):
                         help="worker counts for the fsdp family (default: mode's, full: 2 4)")
     parser.add_argument("--fsdp-model", default=None, choices=sorted(memory.MODELS),
                         help="model for the fsdp family (default: mode's, full: mlp42m)")
-    parser.add_argument("--docs", action="store_true", help="also copy benchmarks.md, the plots and benchmarks.json into docs/performance/")
+    parser.add_argument("--docs", action="store_true",
+                        help="also copy this run's tables into docs/results/ and its plots into docs/performance/")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds before a worker job is stopped")
     parser.add_argument("--ref", default=None, metavar="REV",
                         help="benchmark keras_comm as committed at git REV (e.g. HEAD), extracted "
@@ -245,7 +253,24 @@ def parse_args(argv=None):
     if any(n < 2 for n in params["workers"]):
         parser.error(f"--workers must be >= 2 (collectives need peers). Received: {params['workers']}")
     args.params = params
+    args.command = _command(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def _command(argv):
+    """The command that reproduces this run, as the docs quote it: without the
+    output directory (a path on this machine) and the console switch."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--job-timeout"):
+            skip = True
+        elif arg.startswith(("--out=", "--job-timeout=")) or arg == "--quiet":
+            continue
+        else:
+            kept.append(arg)
+    return shlex.join(["python", "-m", "benchmarks.run", *kept])
 
 
 def _job_spec(args, n):
@@ -368,6 +393,7 @@ def main(argv=None):
     results = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "mode": args.mode,
+        "command": args.command,
         "parameters": p,
         "machine": machine_info(),
         "source": source,
@@ -422,8 +448,10 @@ def main(argv=None):
         # (Not in --smoke: one more job launch would not fit the smoke test's budget.)
         if not args.no_pipeline and args.mode != "smoke":
             say(f"[pipeline] stages {p['workers']}")
+            # A global batch of 240 divides evenly over 2, 3, 4 or 5 stages (the
+            # pipeline gathers the batch over its group, which needs equal shares).
             results["pipeline"] = pipeline.run_all(
-                p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee,
+                p["workers"], out, env=env, timeout=args.job_timeout, stdout=tee, batch=PIPELINE_BATCH,
                 **({"steps": 3, "rounds": 2} if args.mode == "quick" else {}),
             )
         # ... tf-keras next to keras_comm, jobs alternating ...
@@ -535,16 +563,18 @@ def main(argv=None):
     results["plots"] = report.write_plots(results, out)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=1, default=str))
     report.write_markdown(results, out / "benchmarks.md")
+    tables = report.write_results(results, out / "results")
     if args.docs:
+        # Only what this run measured: the other families' tables and plots stay.
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        for table in tables:
+            shutil.copy(table, RESULTS_DIR / table.name)
         DOCS_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "benchmarks.md", DOCS_DIR / "benchmarks.md")
-        # The numbers too, so the page and plots can be redrawn without a rerun
-        # (python -m benchmarks.report docs/performance/benchmarks.json).
-        shutil.copy(out / "benchmarks.json", DOCS_DIR / "benchmarks.json")
         for plot in results["plots"]:
             shutil.copy(plot, DOCS_DIR / Path(plot).name)
-    say(f"wrote {out / 'benchmarks.json'}, {out / 'benchmarks.md'} and {len(results['plots'])} plots "
-        f"in {results['seconds']:.0f} s")
+    say(f"wrote {out / 'benchmarks.json'}, {out / 'benchmarks.md'}, {len(tables)} tables and "
+        f"{len(results['plots'])} plots in {results['seconds']:.0f} s"
+        + (" (copied into docs/results/ and docs/performance/)" if args.docs else ""))
     failed = [n for n, j in job_results.items() if j["code"] != 0 or j["ranks"] is None]
     return 1 if failed else 0
 

@@ -12,8 +12,13 @@ CHANGELOG.md. This test fails on the marks such a history leaves:
 * a load average;
 * a commit hash.
 
-docs/performance/ holds generated benchmark output (it describes the machine
-it ran on) and is not scanned.
+The measured results the pages render (docs/results/*.json: their machine,
+command and notes) are scanned too, and so is the saved benchmark output
+docs/performance/ links to.
+
+Advice that pages must agree on is checked here as well: no page sets
+TensorFlow's per-op `timeout_seconds` on the strategy (it starts two threads
+per collective for the whole timeout; `keras_comm.set_timeout` bounds steps).
 """
 
 import re
@@ -24,7 +29,8 @@ from _cluster import REPO_DIR
 
 USER_PAGES = sorted((REPO_DIR / "docs").glob("*.md")) + [REPO_DIR / "README.md"] + sorted(
     (REPO_DIR / "examples").glob("*.py")
-)
+) + sorted((REPO_DIR / "docs" / "results").glob("*.json")) + sorted(
+    (REPO_DIR / "docs" / "performance").rglob("*.json"))
 
 RULES = {
     "a machine path": re.compile(r"(?<![\w.~<>-])/(?:tmp|work|root)/"),
@@ -90,3 +96,13 @@ def test_each_rule_catches_its_mark(text, what):
 ])
 def test_ordinary_text_passes(text):
     assert _findings(text) == []
+
+
+@pytest.mark.parametrize("page", [p for p in USER_PAGES if p.suffix in (".md", ".py")],
+                         ids=lambda p: str(p.relative_to(REPO_DIR)))
+def test_no_page_sets_the_per_op_timeout_on_the_strategy(page):
+    found = [n for n, line in enumerate(page.read_text().splitlines(), 1)
+             if re.search(r"timeout_seconds\s*=\s*\d", line)]
+    assert not found, (
+        f"{page.relative_to(REPO_DIR)} lines {found} set `timeout_seconds` on the strategy: "
+        "advise `keras_comm.set_timeout(seconds)`, as every other page does")

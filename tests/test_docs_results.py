@@ -59,3 +59,25 @@ def test_every_results_file_is_shown_and_every_marker_resolves():
         pytest.skip("mkdocs is not installed: the cells are checked by the strict build only")
     for page, (name, row, column) in cells:
         _hooks.result_cell(name, row, column)  # raises naming what is missing
+
+
+def test_every_plot_is_shown_and_every_plot_shown_exists():
+    """The plots `benchmarks.run --docs` writes into docs/performance/ belong to the tables of
+    docs/results/: a plot no page shows would be left over from some other run."""
+    shown = {m.group(1) for page in PAGES for m in re.finditer(r"\]\((performance/[^)\s]+\.png)\)", page.read_text())}
+    present = {str(p.relative_to(DOCS)) for p in (DOCS / "performance").rglob("*.png")}
+    assert not present - shown, f"plots no page shows: {sorted(present - shown)}"
+    assert not shown - present, f"plots a page shows that do not exist: {sorted(shown - present)}"
+
+
+@pytest.mark.parametrize("name", ["po_memory_42m", "po_memory_200m"])
+def test_memory_tables_are_what_the_report_makes_of_the_saved_numbers(name):
+    """The memory tables come from docs/performance/memory/memory.json (the memory family of
+    several `benchmarks.run` launches) through `benchmarks.report`, not by hand."""
+    sys.path.insert(0, str(REPO_DIR))
+    from benchmarks import report
+
+    saved = json.loads((DOCS / "performance" / "memory" / "memory.json").read_text())
+    made = report.memory_tables(saved)[name]
+    shown = json.loads((DOCS / "results" / f"{name}.json").read_text())
+    assert (shown["columns"], shown["rows"]) == (made["columns"], made["rows"])

@@ -152,6 +152,25 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         assert 1 <= r["sent_bytes_per_step"] / r["formula_bytes_per_step"] < 1.001, r
     assert rows["zero3"]["collective_ops"]["all_gather"] == 2 * rows["zero3"]["collective_ops"]["reduce_scatter"]
 
+    # The documentation's tables (docs/results/NAME.json as --docs writes them),
+    # complete, and the same when benchmarks.report redraws them from the JSON.
+    from benchmarks import report
+
+    tables = {p.stem: json.loads(p.read_text()) for p in (out / "results").glob("*.json")}
+    assert {"bench_collectives_2w", "bench_layer_overhead_2w", "bench_reduce_scatter", "bench_fusion",
+            "bench_fit_scaling", "fsdp_speed_tiny", "po_memory_tiny"} <= set(tables), sorted(tables)
+    for name, data in tables.items():
+        for key in ("title", "date", "machine", "command", "columns", "rows"):
+            assert data.get(key), f"{name}: no {key!r}"
+        assert "load" not in data["machine"] and str(out) not in json.dumps(data), name
+        assert data["command"] == "python -m benchmarks.run --smoke", data["command"]
+        keys = [row[0] for row in data["rows"]]
+        assert len(set(keys)) == len(keys), f"{name}: two rows share their first cell"
+        assert all(len(row) == len(data["columns"]) for row in data["rows"]), name
+    redrawn = tmp_path / "redrawn"
+    assert report.main([str(out / "benchmarks.json"), "--out", str(redrawn)]) == 0
+    assert {p.stem: json.loads(p.read_text()) for p in (redrawn / "results").glob("*.json")} == tables
+
     markdown = (out / "benchmarks.md").read_text()
     assert "| op | MB |" in markdown
     assert "## 2. Layer overhead" in markdown and "## 4. Training" in markdown
@@ -165,17 +184,12 @@ def test_smoke_run_writes_json_markdown_and_plots(tmp_path):
         assert f"]({path.name})" in markdown
 
 
-def test_docs_tables_are_drawn_from_the_committed_numbers():
-    """docs/performance/benchmarks.md is what benchmarks.report makes of benchmarks.json."""
-    from benchmarks import report
+def test_command_quoted_in_the_docs_leaves_out_this_machine():
+    from benchmarks import run
 
-    docs = REPO_DIR / "docs" / "performance"
-    if not (docs / "benchmarks.json").exists():
-        pytest.skip("no benchmark results in docs/performance/")
-    results = json.loads((docs / "benchmarks.json").read_text())
-    assert report.markdown(results) == (docs / "benchmarks.md").read_text()
-    names = sorted(Path(p).name for p in results["plots"])
-    assert names == sorted(p.name for p in docs.glob("*.png"))
+    argv = ["--quick", "--workers", "2", "--out", "/somewhere/results", "--quiet", "--docs",
+            "--job-timeout=900", "--no-mpi"]
+    assert run.parse_args(argv).command == "python -m benchmarks.run --quick --workers 2 --docs --no-mpi"
 
 
 def test_overlap_timeline_finds_backward_collectives_and_updates():

@@ -18,8 +18,7 @@ comment on the line just before the block's opening fence:
 
 Blocks in ```` ```text ````, ```` ```json ```` or ```` ```yaml ```` are output or
 data, not code; a block in any other language (or none) fails, so no code
-escapes these rules. docs/performance/ holds generated benchmark output
-and is not scanned.
+escapes these rules. docs/performance/ holds only plots and saved numbers.
 """
 
 import json
