@@ -536,7 +536,7 @@ def test_errors_name_the_layer():
         P.FullyShard(keras.layers.Dense(2, kernel_regularizer="l2"))(keras.Input((2,)))
     with pytest.raises(ValueError, match="not a weight"):
         P.FullyShard(keras.layers.Dropout(0.5, seed=1))(keras.Input((2,)))
-    with pytest.raises(ValueError, match="built Sequential or Functional"):
+    with pytest.raises(ValueError, match=r"takes a built Keras model.*Received: model=<Sequential"):
         P.fully_shard(keras.Sequential([keras.layers.Dense(2)]))
 
 
