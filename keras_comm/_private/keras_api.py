@@ -668,6 +668,12 @@ def own_weights(layer):
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
 
 
+def optimizer_references(optimizer):
+    """The variables `optimizer` was built for (`BaseOptimizer.build`'s
+    list, the weights its slots are named after); empty before it is built."""
+    return list(getattr(optimizer, "_trainable_variables", []))
+
+
 def sublayers(layer):
     """Every layer below `layer` (nested in any depth, each once), in
     Keras's own walk (`Layer._flatten_layers`): the same order on every

@@ -135,7 +135,7 @@ def _assign(variable, spec, value, owner_name):
 
 def _layer_variables(layer):
     # Keras's order (Layer.save_own_variables).
-    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+    return keras_api.own_weights(layer)
 
 
 def save_layer(layer, store):
@@ -170,7 +170,7 @@ def optimizer_slot_specs(optimizer):
     references = []
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is not None:
-            references += list(getattr(opt, "_trainable_variables", []))
+            references += keras_api.optimizer_references(opt)
     prefixes = [
         (v.path.replace("/", "_") + "_", sharded_weights.shard_spec(v))
         for v in references

@@ -526,6 +526,17 @@ def test_private_keras_attributes_exist():
     assert callable(keras_api.deferred_initializer(deferred.kernel))
     assert keras_api.is_uninitialized(deferred.kernel)  # reads `_value`
     assert not keras_api.is_uninitialized(model.weights[0])
+    # What fully_shard's in-place sharding reads (keras_api.own_weights,
+    # sublayers, deferred_variables, replace_layers, share_nodes).
+    dense = model.layers[0]
+    assert keras_api.own_weights(dense) == list(dense.weights)
+    assert dense in keras_api.sublayers(model)
+    assert keras_api.optimizer_references(model.optimizer) == list(model.trainable_variables)
+    assert hasattr(keras.Variable, "_initialize_with_initializer")
+    functional = keras.Model(model.inputs, model.outputs)
+    for name in ("_operations", "_operations_by_depth", "_nodes_by_depth"):
+        assert hasattr(functional, name), name
+    assert dense._inbound_nodes and hasattr(dense, "_outbound_nodes")
 
 
 def test_keep_uninitialized_empties_the_queue():
@@ -609,6 +620,9 @@ _PRIVATE_ATTRS = (
     "_autoconvert_optionals", "_initializer", "_h5_entry_path", "_walk_saveable",
     "_save_state", "_load_state", "_save_container_state", "_load_container_state",
     "_enumerate_iterator", "_current_iterator", "_steps_seen", "_num_batches",
+    "_trainable_variables", "_non_trainable_variables", "_flatten_layers",
+    "_initialize_with_initializer", "_deferred_initialize", "_operations_by_depth",
+    "_nodes_by_depth", "_inbound_nodes", "_outbound_nodes",
 )
 _PRIVATE_CODE = re.compile(
     r"keras \. src|tensorflow \. python|\. (" + "|".join(_PRIVATE_ATTRS) + r")\b"
