@@ -29,6 +29,8 @@ neither TensorFlow nor Keras, so worker scripts can import it before
 configuring TensorFlow.
 """
 
+import fcntl
+import hashlib
 import json
 import os
 import shlex
@@ -250,6 +252,70 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None,
     return ClusterResult(proc.returncode, output, results, out_dir, command)
 
 
+# Run directories of shared_cluster older than this are removed when a run
+# starts one (a run never lasts a day; its own directory is left for reading).
+_SHARED_STALE_SECONDS = 24 * 3600
+
+
+def _shared_run_dir():
+    # pytest-xdist gives every worker of one run the same id; without xdist
+    # the run is this process.
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    base = Path(tempfile.gettempdir())
+    run_dir = base / f"keras_comm_shared_{run}"
+    if not run_dir.exists():
+        for old in base.glob("keras_comm_shared_*"):
+            try:
+                if time.time() - old.stat().st_mtime > _SHARED_STALE_SECONDS:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                pass
+        run_dir.mkdir(exist_ok=True)
+    return run_dir
+
+
+def shared_cluster(script, num_workers, *args, timeout=300, env=None):
+    """`run_cluster`'s result for a launch that several tests share.
+
+    The first test of the pytest run to ask for (script, num_workers, args)
+    runs it; every later test asking for it, in this process or in another
+    pytest-xdist worker of the same run, reads the saved result (a test that
+    asks while the launch runs waits for it). The worker script gets a state
+    directory as its first argument, kept for the run (`result.out_dir`,
+    where the workers' results are too), so that a test can read files the
+    workers saved. Each test still checks its own part of the results: a
+    launch running several groups of checks costs one TensorFlow import and
+    cluster setup per process instead of one per group.
+
+    Returns:
+        A ClusterResult. A failed launch is every sharing test's failure:
+        call `.check()`.
+    """
+    if before_launch is not None:
+        before_launch()
+    key = hashlib.sha256(
+        json.dumps([str(_resolve_script(script)), num_workers, [str(a) for a in args], env],
+                   sort_keys=True).encode()
+    ).hexdigest()[:16]
+    run_dir = _shared_run_dir()
+    saved = run_dir / f"{key}.json"
+    with open(run_dir / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not saved.exists():
+            state = run_dir / key
+            result = run_cluster(script, num_workers, state, *args, timeout=timeout, env=env,
+                                 out_dir=state)
+            tmp = saved.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({
+                "returncode": result.returncode, "output": result.output,
+                "results": result.results, "out_dir": str(state), "command": result.command,
+            }))
+            os.replace(tmp, saved)
+        data = json.loads(saved.read_text())
+    return ClusterResult(data["returncode"], data["output"], data["results"], Path(data["out_dir"]),
+                         data["command"])
+
+
 # ---------------------------------------------------------------------------
 # Worker side.
 # ---------------------------------------------------------------------------
@@ -308,6 +374,35 @@ def finish(wait_seconds=120):
         except Exception:
             pass
     os._exit(0)
+
+
+def load_worker_module(path):
+    """Imports the worker module at `path` (relative to tests/) by its name,
+    with its directory on sys.path (for the modules beside it)."""
+    import importlib
+
+    path = TESTS_DIR / path
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    return importlib.import_module(path.stem)
+
+
+def run_groups(groups):
+    """Runs a shared launch's groups of checks in order; returns their results.
+
+    `groups`: (name, function) pairs, each function returning that group's
+    JSON-able results; the result also holds each group's wall seconds
+    ("group_seconds"). Each group's start is printed (`[rank i] group NAME`),
+    so a launch that fails shows in its output which group failed.
+    """
+    out = {"group_seconds": {}}
+    for name, fn in groups:
+        print(f"group {name}: starting", flush=True)
+        started = time.time()
+        out[name] = fn()
+        out["group_seconds"][name] = round(time.time() - started, 1)
+        print(f"group {name}: done in {out['group_seconds'][name]} s", flush=True)
+    return out
 
 
 def write_result(obj):

@@ -1,7 +1,8 @@
 """The one MultiWorkerMirroredStrategy of a worker process.
 
-Several workers' checks share one launch (ops_worker.py: collectives_worker,
-mirror_worker and nontrainable_worker; checkpoint_launch_worker.py: the
+Several workers' checks share one launch (acceptance/shared_launch_worker.py:
+the collectives, mirror, non-trainable, point-to-point, parallel,
+ParallelOptimizer and compat groups; checkpoint_launch_worker.py: the
 checkpoint, sharded-checkpoint and backup-agreement workers), so that the
 launch's TensorFlow import and cluster setup (~8 CPU-seconds per process)
 are paid once. A process creates its strategy once, so they import it from

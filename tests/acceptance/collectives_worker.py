@@ -1,7 +1,7 @@
 """Multi-process check of the core collectives against a float64 simulation.
 
 Run by tests/acceptance/test_collectives_multiprocess.py through `run_cluster` (one
-replica per worker process), in one launch with mirror_worker (ops_worker.py). Every worker knows every rank's input (a
+replica per worker process), in one launch with mirror_worker (shared_launch_worker.py). Every worker knows every rank's input (a
 deterministic function of the rank), so it computes the whole single-process
 simulation locally and compares its own forward value and gradient with it.
 Writes, per "<mode>/<case>", the max absolute error of the forward value and

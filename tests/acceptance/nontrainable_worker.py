@@ -21,9 +21,9 @@ Each worker is one replica. In one launch:
    the same fit uninterrupted: each worker's weights, moving statistics
    included.
 
-Run by tests/acceptance/test_collectives_multiprocess.py in the 3-worker launch of the
-ops checks (acceptance/ops_worker.py): that launch's import and cluster setup
-serve both.
+Run by tests/acceptance/test_collectives_multiprocess.py in the suite's
+shared 3-worker launch (acceptance/shared_launch_worker.py): that launch's
+import and cluster setup serve every group it runs.
 """
 
 import os

@@ -1,8 +1,10 @@
 """The core collectives, every mirror and virtual op, and non-trainable
 state (issue 19) across real worker processes (gRPC on loopback).
 
-One launch runs the three workers' checks (acceptance/ops_worker.py): each
-launch pays TensorFlow's import and the cluster's setup (~8 CPU-seconds per
+The suite's one launch of 3 workers runs these checks
+(acceptance/shared_launch_worker.py, shared with the 3-worker checks of
+ParallelOptimizer, compat's tutorial flow and point-to-point): each launch
+pays TensorFlow's import and the cluster's setup (~7 CPU-seconds per
 process). The mirror checks include fusion: mirrors and an all-reduce
 sharing one `fusion` id, packed per group, checked against the float64
 reference like every other case. The non-trainable checks are described in
@@ -11,7 +13,7 @@ acceptance/nontrainable_worker.py.
 
 import numpy as np
 import pytest
-from _cluster import run_cluster
+from _cluster import shared_cluster
 
 # Values are O(10) in float64: errors are rounding only. The fused case
 # carries one float32 piece (two dtypes in one call), hence its tolerance.
@@ -24,7 +26,7 @@ FLOAT32_TOLERANCE = 1e-6
 # splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
 @pytest.mark.parametrize("num_workers", [3])
 def test_collectives_mirror_virtual_and_non_trainable_state(num_workers):
-    result = run_cluster("acceptance/ops_worker.py", num_workers, timeout=420).check()
+    result = shared_cluster("acceptance/shared_launch_worker.py", num_workers, timeout=900).check()
     for rank, checks in enumerate(result.results):
         _check_collectives(rank, checks["collectives"], num_workers)
         _check_mirror(rank, checks["mirror"], num_workers)

@@ -25,6 +25,16 @@ from _cluster import finish, write_result
 
 STEPS = 8  # micro-batches per epoch
 
+# The configurations each worker count trains, opt:accumulation_steps:zero_stage.
+# Every optimizer, accumulation_steps and zero_stage appears on each worker
+# count; the in-process tests cover the rest. 2 workers: in the state-bytes
+# launches (parallel_optimizer_memory_worker.py); 3: in the shared 3-worker
+# launch (tests/acceptance/shared_launch_worker.py).
+CONFIGS = {
+    2: ["sgd:1:0", "adam:2:1", "adamw+lso:4:2"],
+    3: ["adamw:2:0", "sgd:4:1", "adam:1:2"],
+}
+
 
 def data(n_workers):
     rng = np.random.default_rng(0)
@@ -105,6 +115,7 @@ def results(strategy, configs):
 
 
 if __name__ == "__main__":
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    from _strategy import strategy
+
     write_result(results(strategy, sys.argv[1:]))
     finish()  # _cluster.finish: skip the slow teardown

@@ -1,21 +1,16 @@
 """ParallelOptimizer across 2 and 3 real worker processes.
 
-Three launches: one of 3 workers (parallel_optimizer_worker.py), and the two
-2-worker launches of the state-bytes check, which run the 2-worker
-configurations after their memory reading (parallel_optimizer_memory_worker.py):
-each launch pays TensorFlow's import and the cluster's setup.
+The 3-worker configurations run in the suite's shared launch of 3 workers
+(tests/acceptance/shared_launch_worker.py, group "parallel_optimizer"); the
+2-worker ones in the two 2-worker launches of the state-bytes check, after
+their memory reading (parallel_optimizer_memory_worker.py): each launch pays
+TensorFlow's import and the cluster's setup.
 """
 
 import pytest
 
-from _cluster import run_cluster
-
-# opt:accumulation_steps:zero_stage. Every optimizer, accumulation_steps and
-# zero_stage appears on each worker count; the in-process tests cover the rest.
-CONFIGS = {
-    2: ["sgd:1:0", "adam:2:1", "adamw+lso:4:2"],
-    3: ["adamw:2:0", "sgd:4:1", "adam:1:2"],
-}
+from _cluster import run_cluster, shared_cluster
+from parallel_optimizer_worker import CONFIGS
 # The 2-worker configurations, by the memory launch that runs them.
 MEMORY_LAUNCH_CONFIGS = {"adam": CONFIGS[2][:2], "sgd": CONFIGS[2][2:]}
 
@@ -46,11 +41,8 @@ def _check_configs(results, configs, num_workers):
 
 @pytest.mark.multiprocess
 def test_parallel_optimizer_across_three_processes():
-    configs = CONFIGS[3]
-    result = run_cluster(
-        "callbacks/parallel_optimizer_worker.py", 3, *configs, timeout=150
-    ).check()
-    _check_configs(result.results, configs, 3)
+    result = shared_cluster("acceptance/shared_launch_worker.py", 3, timeout=900).check()
+    _check_configs([r["parallel_optimizer"] for r in result.results], CONFIGS[3], 3)
 
 
 @pytest.mark.multiprocess

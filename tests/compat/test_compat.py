@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import keras_comm  # noqa: F401  (applies compat)
-from _cluster import run_cluster
+from _cluster import shared_cluster
 import flows
 from conftest import make_strategy
 from keras_comm import compat
@@ -194,9 +194,11 @@ def test_fit_evaluate_predict_exact_with_local_replicas(reference):
 # splits) covers what 2 would; 2 and 4 replicas run in-process (tests/conftest.py).
 @pytest.mark.parametrize("num_workers", [3])
 def test_tutorial_flow_across_workers_matches_single_process(reference, num_workers):
-    result = run_cluster("compat/fit_flow_worker.py", num_workers, timeout=240).check()
-    first = result.results[0]
-    for rank, worker in enumerate(result.results):
+    # The suite's shared 3-worker launch (tests/acceptance/shared_launch_worker.py).
+    result = shared_cluster("acceptance/shared_launch_worker.py", num_workers, timeout=900).check()
+    results = [r["compat_flow"] for r in result.results]
+    first = results[0]
+    for rank, worker in enumerate(results):
         for name in reference:
             label = f"{name}, rank {rank} of {num_workers}"
             _assert_flow_matches(reference[name], worker[name], label)
@@ -208,8 +210,9 @@ def test_tutorial_flow_across_workers_matches_single_process(reference, num_work
 
 @pytest.mark.multiprocess
 def test_stock_keras_still_fails_under_mwms():
-    result = run_cluster("compat/stock_keras_worker.py", 2, timeout=120).check()
-    for worker in result.results:
+    # The suite's shared 2-worker launch (tests/acceptance/shared_launch_worker.py).
+    result = shared_cluster("acceptance/shared_launch_worker.py", 2, timeout=900).check()
+    for worker in (r["stock_keras"] for r in result.results):
         assert worker["stock"] and "Attempt to convert a value (PerReplica" in worker["stock"], (
             "Stock Keras no longer fails building the model under MWMS "
             f"(got {worker['stock']!r}); upstream may have fixed keras-team/keras#20585: "

@@ -9,7 +9,6 @@ The case builders (`cases(n)`) are also used by the in-process tests, so both
 levels check the same references. Importing this module has no side effects.
 """
 
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -262,11 +261,13 @@ def _reference(n, ref_fn, make):
     return [(np.asarray(y), np.asarray(g)) for y, g in zip(ys, grads)]
 
 
-def main():
+def results(strategy):
+    """Every case's errors and the timeout's outcome on this worker. Run it
+    last in a launch: the timed-out receive aborts this process's
+    collectives (see below)."""
     import keras_comm
-    from _cluster import rank as cluster_rank, write_result
+    from _cluster import rank as cluster_rank
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     me = cluster_rank()
     result = {"n": n, "errors": {}}
@@ -312,19 +313,16 @@ def main():
     except tf.errors.DeadlineExceededError:
         result["timeout_error"] = "DeadlineExceededError"
     result["timeout_seconds"] = time.time() - start
-    write_result(result)
-    # Rank 1's receive first resolves its group through task 0; if task 0
-    # exited meanwhile, rank 1 would see "Socket closed" (UnavailableError)
-    # instead of its timeout. So the others stay up until rank 1 is done.
-    if me != 1:
-        done = os.path.join(os.environ["KERAS_COMM_TEST_OUT"], "rank1.json")
-        deadline = time.time() + 60
-        while not os.path.exists(done) and time.time() < deadline:
-            time.sleep(0.1)
+    return result
 
 
 if __name__ == "__main__":
-    main()
-    from _cluster import finish
+    # One group alone (the suite runs it in tests/acceptance/shared_launch_worker.py).
+    from _cluster import finish, write_result
+    from _strategy import strategy
 
-    finish()  # skip the slow teardown
+    write_result(results(strategy))
+    # Rank 1's receive first resolves its group through task 0; if task 0
+    # exited meanwhile, rank 1 would see "Socket closed" (UnavailableError)
+    # instead of its timeout. finish() keeps every rank up until all wrote.
+    finish()

@@ -1,7 +1,9 @@
 """Worker: `keras_comm.parallel.Pipeline` across real worker processes.
 
-Usage: pipeline_worker.py STATE_DIR, on 4 workers. One launch runs every
-check (one replica per worker):
+Usage: pipeline_worker.py STATE_DIR, on 4 workers: the suite's one launch
+of 4 workers (`_cluster.shared_cluster`), which also runs the 4-worker group
+of tests/parallel/parallel_worker.py (tests/parallel/test_parallel_multiprocess.py).
+Every check runs with one replica per worker:
 
 - exact: each configuration (CONFIGS: stages, micro-batches, schedule,
   mesh) trains with `model.fit`; every worker reports its full weights
@@ -39,9 +41,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from _cluster import write_result
-
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from _cluster import finish, run_groups, write_result
+from _strategy import strategy
 
 import keras  # noqa: E402
 
@@ -309,7 +310,7 @@ def zero_case(state_dir):
     return out
 
 
-def main(state_dir):
+def pipeline(state_dir):
     cpu = {"import": time.process_time()}  # the suite's cost, per phase
 
     def lap(key):
@@ -326,8 +327,18 @@ def main(state_dir):
     out["zero"] = zero_case(state_dir)
     lap("zero")
     out["cpu_seconds"] = cpu
-    write_result(out)
+    return out
+
+
+def main(state_dir):
+    import parallel_worker
+
+    write_result(run_groups([
+        ("pipeline", lambda: pipeline(state_dir)),
+        ("parallel", lambda: parallel_worker.results(strategy)),
+    ]))
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    finish()  # _cluster.finish: skip the slow teardown

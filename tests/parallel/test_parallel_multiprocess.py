@@ -1,5 +1,8 @@
 """keras_comm.parallel across real worker processes (tests/parallel/parallel_worker.py).
 
+In the suite's shared launches (2 workers: tests/acceptance/shared_launch_worker.py;
+4: tests/parallel/pipeline_worker.py), group "parallel".
+
 n=2: 2-way tensor parallel fit (embedding + Column/Row MLP), MoE vs a dense
 simulation, the 2-stage pipeline. n=4: 2 x 2 (data x model) tensor-parallel
 fit, unseeded tensor-parallel and FullyShard weights built after the chief
@@ -10,7 +13,7 @@ experts groups.
 import numpy as np
 import pytest
 
-from _cluster import run_cluster
+from _cluster import shared_cluster
 
 RTOL = 1e-4
 
@@ -18,8 +21,12 @@ RTOL = 1e-4
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 4])
 def test_parallel_family_across_processes(n):
-    result = run_cluster("parallel/parallel_worker.py", n, timeout=240).check()
-    for rank, r in enumerate(result.results):
+    # The suite's shared launches: 2 workers (tests/acceptance/shared_launch_worker.py),
+    # 4 workers (tests/parallel/pipeline_worker.py).
+    script = "acceptance/shared_launch_worker.py" if n == 2 else "parallel/pipeline_worker.py"
+    launch = shared_cluster(script, n, timeout=900 if n == 2 else 1200).check()
+    results = [r["parallel"] for r in launch.results]
+    for rank, r in enumerate(results):
         assert r["n"] == n
         tp = r["tp"]
         for key in ("loss_rel", "weights_rel", "evaluate_rel", "predict_rel"):
@@ -33,7 +40,7 @@ def test_parallel_family_across_processes(n):
             assert r["pipeline"]["weights_rel"] <= RTOL, (rank, r["pipeline"])
             assert r["pipeline"]["loss_rel"] <= RTOL, (rank, r["pipeline"])
     if n == 4:
-        _check_same_shard_values([r["same_shard"] for r in result.results])
+        _check_same_shard_values([r["same_shard"] for r in results])
 
 
 def _check_same_shard_values(results):

@@ -12,7 +12,7 @@ import os
 import keras
 import numpy as np
 import pytest
-from _cluster import run_cluster
+from _cluster import shared_cluster
 from _shared import rel
 
 from keras_comm.parallel import Pipeline
@@ -82,22 +82,25 @@ def _batch_normalization(got, reference):
     }
 
 
-# One launch of 4 workers (id kept as [4]): the 2-stage cases run on a 2 x 2
-# data x pipeline mesh there (a 2-worker launch of its own cost more CPU
-# than its cases).
+# The suite's one launch of 4 workers (id kept as [4]), shared with
+# test_parallel_multiprocess.py's 4-worker group: the 2-stage cases run on a
+# 2 x 2 data x pipeline mesh there (a 2-worker launch of its own cost more
+# CPU than its cases).
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", [4])
-def test_pipeline_on_workers(workers, tmp_path):
-    result = run_cluster("parallel/pipeline_worker.py", workers, tmp_path, timeout=900).check()
+def test_pipeline_on_workers(workers):
+    launch = shared_cluster("parallel/pipeline_worker.py", workers, timeout=1200).check()
+    tmp_path = launch.out_dir  # the chief's files
+    results = [r["pipeline"] for r in launch.results]
     configs = CONFIGS
-    print("worker CPU seconds by phase:", [r["cpu_seconds"] for r in result.results])
-    _check(result.results, configs)
+    print("worker CPU seconds by phase:", [r["cpu_seconds"] for r in results])
+    _check(results, configs)
     # ZeRO-1 of each stage's optimizer state over its data group (2 x 2
     # mesh, Adam, 2 micro-batches per update): exact, each worker holds
     # half its stage buffer's moments (the optimizer's own full-size
     # slots released), and a BackupAndRestore resume is exact.
-    zero_reference = result.results[0]["zero"]["reference_weights"]
-    for r in result.results:
+    zero_reference = results[0]["zero"]["reference_weights"]
+    for r in results:
         z = {k: v for k, v in r["zero"].items() if k not in ("weights", "reference_weights")}
         z["weights_rel"] = rel(zero_reference, r["zero"]["weights"])
         print("zero case, rank", r["rank"], z)  # optimizer bytes and peak RSS, for the record (-s)
@@ -108,12 +111,12 @@ def test_pipeline_on_workers(workers, tmp_path):
     # real workers: weights and moving statistics (each stage's averaged
     # over its data group) as the unsplit model trained micro-batch by
     # micro-batch, and predict with those statistics.
-    bn_reference = result.results[0]["bn"]["reference"]
-    for r in result.results:
+    bn_reference = results[0]["bn"]["reference"]
+    for r in results:
         bn = _batch_normalization(r["bn"], bn_reference)
         assert bn["excess"] <= 0 and bn["moving_rel"] <= 1e-5 and bn["predict_rel"] <= 1e-5, bn
         assert bn["moved"] > 1e-3, bn  # the statistics moved
-    stages = {r["rank"]: r["exact"][configs[0]]["stage"] for r in result.results}
+    stages = {r["rank"]: r["exact"][configs[0]]["stage"] for r in results}
     assert sorted(stages.values()) == list(range(len(stages)))
     # The chief's files load into the one-process model (all stages on one replica).
     want = list(np.load(tmp_path / "pipe_weights.npy", allow_pickle=True))
