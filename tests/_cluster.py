@@ -258,9 +258,13 @@ _SHARED_STALE_SECONDS = 24 * 3600
 
 
 def _shared_run_dir():
-    # pytest-xdist gives every worker of one run the same id; without xdist
-    # the run is this process.
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    # pytest-xdist gives every worker of one run the same id and the same
+    # parent (the controller); without xdist the run is this process. The
+    # parent also tells apart a pytest session started by a test, which
+    # inherits the environment variables.
+    run = f"pid{os.getpid()}"
+    if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+        run = f"{os.environ['PYTEST_XDIST_TESTRUNUID']}_{os.getppid()}"
     base = Path(tempfile.gettempdir())
     run_dir = base / f"keras_comm_shared_{run}"
     if not run_dir.exists():

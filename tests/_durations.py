@@ -27,7 +27,7 @@ SECONDS = {
     "test_collectives_multiprocess.py::test_collectives_mirror_virtual_and_non_trainable_state[3]": 206,
     "test_distribution.py::test_kerashub_layout_maps_equal_one_process[llama]": 99,
     "test_pipeline.py::test_zero_shards_the_stage_optimizer_state_over_its_data_group[2-2]": 84,
-    "test_compat.py::test_tutorial_flow_across_workers_matches_single_process[3]": 83,
+    "test_compat.py::test_tutorial_flow_across_workers_matches_single_process[3]": 12,
     "test_reliability.py::test_preemption_backup_on_real_workers": 73,
     "test_parallel_optimizer_multiprocess.py::test_state_bytes_is_what_the_process_holds_and_two_processes_train_exactly": 99,
     "test_launch_slurm.py::test_slurm_job_step_trains_like_one_process_and_a_killed_step_resumes_exactly": 62,
