@@ -27,7 +27,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -197,19 +196,38 @@ def test_block_not_run_here(block):
 # --- the site -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def site():
+@pytest.fixture(scope="session")
+def site(tmp_path_factory, request):
+    """mkdocs' strict build, once per pytest session.
+
+    pytest-xdist runs a session fixture once per worker process; the site
+    tests land on both workers, so the first one to get here builds the site
+    (under a lock in the session's shared temporary directory) and the other
+    reads that build.
+    """
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' to build the docs")
     pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed: pip install -e '.[docs]'")
     pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
-    out = Path(tempfile.mkdtemp(prefix="keras_comm_site_"))
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300,
-    )
-    yield proc, out
-    shutil.rmtree(out, ignore_errors=True)
+    import fcntl
+    from types import SimpleNamespace
+
+    # The session's directory: shared by its xdist workers (each has a
+    # `workerinput`), not by other sessions.
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):
+        root = root.parent
+    out, record = root / "site", root / "site.json"
+    with open(root / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+            proc = subprocess.run(
+                [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300,
+            )
+            record.write_text(json.dumps(
+                {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+    return SimpleNamespace(**json.loads(record.read_text())), out
 
 
 def test_strict_build(site):
