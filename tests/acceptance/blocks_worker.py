@@ -29,6 +29,7 @@ further block that passes arguments a launch of its own).
 import json
 import os
 import sys
+import time
 import traceback
 
 from _cluster import run_cluster
@@ -67,6 +68,7 @@ def main(spec):
     for label, source in blocks:
         write_result({"done": done, "current": label})
         print(f"--- {label}", flush=True)
+        start = time.monotonic()
         try:
             exec(compile(source, label, "exec"), {"__name__": "__main__"})
         except BaseException:
@@ -76,6 +78,7 @@ def main(spec):
             sys.stderr.flush()
             os._exit(1)
         done.append(label)
+        print(f"--- {label} ran in {time.monotonic() - start:.1f} s", flush=True)
     write_result({"done": done, "current": None})
     print("--- all blocks ran", flush=True)
     # Skip TensorFlow's teardown (seconds of garbage collection and server

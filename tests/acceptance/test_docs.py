@@ -155,7 +155,12 @@ def test_cluster_blocks(tmp_path):
     assert CLUSTER, "no `<!-- test: cluster -->` block found"
     outcome = {}
     for blocks in cluster_launches(CLUSTER):
-        outcome.update(run_blocks([[b.label, b.source] for b in blocks], tmp_path)[0])
+        result, launches = run_blocks([[b.label, b.source] for b in blocks], tmp_path)
+        outcome.update(result)
+        # Each block's seconds (shown with -rP, or on a failure).
+        for launch in launches:
+            print("".join(line for line in launch.output.splitlines(True)
+                          if line.startswith("[rank 0] --- ") and " ran in " in line))
     assert sorted(outcome) == sorted(b.label for b in CLUSTER)
     failures = [text for text in outcome.values() if text]
     assert not failures, (
