@@ -12,7 +12,7 @@ import keras
 
 from keras_comm import layers
 
-from _cluster import write_result
+from _cluster import finish, write_result
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -24,3 +24,4 @@ with warnings.catch_warnings(record=True) as caught:
 write_result({
     "warnings": [str(w.message) for w in caught if "outside any tf.distribute" in str(w.message)],
 })
+finish()

@@ -21,7 +21,9 @@
   then stops a worker with two SIGTERMs (the job must end promptly).
 
 A collective timeout aborts every later collective in the process, so each
-timeout is the last collective a worker runs.
+timeout is the last collective a worker runs. A worker that wrote its result
+leaves through `_cluster.finish` (no TensorFlow teardown); the ``crash`` and
+``preempt`` modes' exits are under test and stay as they are.
 """
 
 import json
@@ -39,6 +41,7 @@ import keras_comm
 from keras_comm import layers
 from keras_comm import ops
 
+from _cluster import finish
 from _cluster import rank as worker_rank
 from _cluster import write_result
 
@@ -87,7 +90,7 @@ def timeout_mode(strategy, rank, n):
                 # have reported (or after a minute).
                 _wait_for_results(range(n - 1))
                 write_result({"stalled_at_batch": batch})
-                sys.exit(0)
+                finish()
 
     result = {}
     try:
@@ -98,6 +101,7 @@ def timeout_mode(strategy, rank, n):
         result["error"] = _error_record(e, last_batch["t"])
     result["last_batch"] = last_batch["batch"]
     write_result(result)
+    finish()
 
 
 class _OneSided(keras.layers.Layer):
@@ -125,6 +129,7 @@ def predict_mode(strategy, rank, n):
     except tf.errors.OpError as e:
         result = {"error": _error_record(e, start)}
     write_result(result)
+    finish()
 
 
 def _attempt(fn, since=None):
@@ -194,6 +199,7 @@ def mismatch_mode(strategy, rank, n):
     else:
         _wait_for_results([0])
     write_result(result)
+    finish()
 
 
 def crash_mode(strategy, rank, n):

@@ -8,7 +8,7 @@ comment on the line just before the block's opening fence:
   build on each other, like a tutorial); ```` ```bash ```` blocks run with
   ``bash -euo pipefail`` from the repository root.
 * ``<!-- test: cluster -->``: the python block is a script run on 2 local
-  worker processes (keras_comm/launch.py through `_cluster.run_cluster`);
+  worker processes (tests/acceptance/blocks_worker.py);
   every worker must exit 0. All cluster blocks run in one launch, one after
   the other in fresh namespaces, sharing that launch's strategy (see
   `test_cluster_blocks`); a failing block is named by its file:line.
@@ -27,12 +27,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from _cluster import REPO_DIR, run_cluster
+from _cluster import REPO_DIR
+from blocks_worker import run_blocks
 
 DOCS = REPO_DIR / "docs"
 PAGES = sorted(p for p in DOCS.glob("*.md")) + [REPO_DIR / "README.md"]
@@ -132,17 +132,14 @@ def test_python_blocks_run_in_one_process(tmp_path):
 # --- python blocks on a 2-worker cluster --------------------------------
 #
 # One launch runs many cluster blocks, in page order, each in a fresh
-# namespace: a launch costs ~15 s of worker start-up (TensorFlow's import in
-# each worker), a block ~1-5 s. tests/acceptance/docs_blocks_worker.py records
-# the block it is in before running it, so a failing (or hanging) block is
-# named; the blocks after it then run in a fresh launch, so one broken block
-# neither hides nor breaks the others' results. The blocks of a launch share
-# one strategy (the worker's docstring says why): the first block that
-# creates its strategy with arguments runs first, and any further such block
-# gets a launch of its own.
+# namespace (tests/acceptance/blocks_worker.py: a launch costs ~12 s of worker
+# start-up, a block ~1-5 s; a failing block is named, and the blocks after it
+# run in a fresh launch). The blocks of a launch share one strategy (the
+# worker's docstring says why): the first block that creates its strategy
+# with arguments runs first, and any further such block gets a launch of its
+# own.
 
 CLUSTER = [b for b in ALL if b.mode == "cluster"]
-_CLUSTER_WORKER = Path(__file__).resolve().parent / "docs_blocks_worker.py"
 _STRATEGY_WITH_ARGS = re.compile(r"MultiWorkerMirroredStrategy\(\s*[^)\s]")
 
 
@@ -153,47 +150,17 @@ def cluster_launches(blocks):
     return [with_args[:1] + plain] + [[b] for b in with_args[1:]]
 
 
-def run_cluster_blocks(blocks, tmp_path, timeout=300):
-    """Runs `blocks` on 2 workers, relaunching after a failure.
-
-    Returns:
-        {label: None (passed) or the failure text}, one entry per block.
-    """
-    outcome, todo, launch = {}, list(blocks), 0
-    while todo:
-        launch += 1
-        spec = tmp_path / f"blocks{launch}.json"
-        spec.write_text(json.dumps([[b.label, b.source] for b in todo]))
-        run = run_cluster(_CLUSTER_WORKER, 2, str(spec), timeout=timeout)
-        labels = [b.label for b in todo]
-        # Where each rank stopped: None after its last block.
-        stopped = [r["current"] if r else labels[0] for r in run.results]
-        if run.returncode == 0 and stopped == [None, None]:
-            outcome.update({label: None for label in labels})
-            break
-        if None in stopped and run.returncode != 0:
-            # Every block ran on one rank, but the job failed (e.g. the other
-            # rank's exit): blame the last block, the one still running.
-            stopped = [labels[-1] if s is None else s for s in stopped]
-        failed = min((s for s in stopped if s is not None), key=labels.index)
-        errors = [r["error"] for r in run.results if r and r.get("error") and r["current"] == failed]
-        done = labels.index(failed)
-        outcome.update({label: None for label in labels[:done]})
-        outcome[failed] = (
-            f"{failed} failed on 2 workers (launcher exit {run.returncode}):\n"
-            + ("".join(errors) or "no traceback: the block hung or a worker died\n")
-            + f"--- output tail ---\n{run.tail(4000)}"
-        )
-        todo = todo[done + 1:]
-    return outcome
-
-
 @pytest.mark.multiprocess
 def test_cluster_blocks(tmp_path):
     assert CLUSTER, "no `<!-- test: cluster -->` block found"
     outcome = {}
     for blocks in cluster_launches(CLUSTER):
-        outcome.update(run_cluster_blocks(blocks, tmp_path))
+        result, launches = run_blocks([[b.label, b.source] for b in blocks], tmp_path)
+        outcome.update(result)
+        # Each block's seconds (shown with -rP, or on a failure).
+        for launch in launches:
+            print("".join(line for line in launch.output.splitlines(True)
+                          if line.startswith("[rank 0] --- ") and " ran in " in line))
     assert sorted(outcome) == sorted(b.label for b in CLUSTER)
     failures = [text for text in outcome.values() if text]
     assert not failures, (
@@ -234,19 +201,38 @@ def test_block_not_run_here(block):
 # --- the site -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def site():
+@pytest.fixture(scope="session")
+def site(tmp_path_factory, request):
+    """mkdocs' strict build, once per pytest session.
+
+    pytest-xdist runs a session fixture once per worker process; the site
+    tests land on both workers, so the first one to get here builds the site
+    (under a lock in the session's shared temporary directory) and the other
+    reads that build.
+    """
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' to build the docs")
     pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed: pip install -e '.[docs]'")
     pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
-    out = Path(tempfile.mkdtemp(prefix="keras_comm_site_"))
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300,
-    )
-    yield proc, out
-    shutil.rmtree(out, ignore_errors=True)
+    import fcntl
+    from types import SimpleNamespace
+
+    # The session's directory: shared by its xdist workers (each has a
+    # `workerinput`), not by other sessions.
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):
+        root = root.parent
+    out, record = root / "site", root / "site.json"
+    with open(root / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+            proc = subprocess.run(
+                [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=300,
+            )
+            record.write_text(json.dumps(
+                {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+    return SimpleNamespace(**json.loads(record.read_text())), out
 
 
 def test_strict_build(site):

@@ -180,15 +180,13 @@ def _max_rel(a, b):
 def test_slurm_job_step_trains_like_one_process_and_a_killed_step_resumes_exactly(slurm, tmp_path):
     if shutil.which("keras-comm-run", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("the keras-comm-run console script is not installed (pip install -e .)")
-    # One process, no Slurm: the reference.
-    (tmp_path / "ref-out").mkdir()
-    ref = subprocess.run(
-        [*LAUNCHER, "-n", "1", "--timeout", "300", FIT, str(tmp_path / "ref")],
-        env=cluster_env(tmp_path / "ref-out"), stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=360,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    (one,) = _results(tmp_path / "ref-out", 1)
+    # One process, no Slurm: the reference, trained here (slurm_fit.train
+    # under the default strategy).
+    import tensorflow as tf
+
+    from slurm_fit import train
+
+    one = {"weights": [w.tolist() for w in train(tf.distribute.get_strategy()).get_weights()]}
 
     # srun: a 2-task job step, one launcher per task, settings from SLURM_*.
     out = tmp_path / "srun-out"
