@@ -141,14 +141,13 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat, grouped = self._contribution(grads)
-        if packed is not None:
-            replica.acc.assign_add(packed)
+        plain, flat, grouped = self._contribution(grads)
+        added = self._accumulate(replica, plain)
         if flat is not None:
             replica.hooked_acc.assign_add(flat)
         if grouped is not None:
             replica.group_acc.assign_add(grouped)
-        nontrainable.sync(self.state.model, after=[packed, flat, grouped])
+        nontrainable.sync(self.state.model, after=added + [flat, grouped])
         return result.metrics(self.state.model)
 
     def apply_step(self, data):
@@ -156,14 +155,17 @@ class AccumulateStep:
         grads, result = forward(self.state.model, data)
         replica = self.state.current()
         self._record_norms(replica, grads)
-        packed, flat, grouped = self._contribution(grads, accumulate=replica.acc is not None)
-        if replica.acc is not None:
-            packed = replica.acc.read_value() + packed
+        plain, flat, grouped = self._contribution(grads)
+        if replica.acc:
+            # This micro-batch joins the buffers, each bucket in place; the
+            # update then reads the buffers a bucket at a time.
+            self._accumulate(replica, plain)
+            plain = _Accumulated(replica.acc)
         if replica.hooked_acc is not None:
             flat = replica.hooked_acc.read_value() + flat
         if replica.group_acc is not None:
             grouped = replica.group_acc.read_value() + grouped
-        self._update(replica, packed, flat, grouped)
+        self._update(replica, plain, flat, grouped)
         nontrainable.sync(self.state.model)
         return result.metrics(self.state.model)
 
@@ -172,7 +174,7 @@ class AccumulateStep:
         replica = self.state.current()
         self._update(
             replica,
-            replica.acc.read_value() if replica.acc is not None else None,
+            _Accumulated(replica.acc) if replica.acc else None,
             replica.hooked_acc.read_value() if replica.hooked_acc is not None else None,
             replica.group_acc.read_value() if replica.group_acc is not None else None,
         )
@@ -201,34 +203,29 @@ class AccumulateStep:
                 tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in grads])
             )
 
-    def _contribution(self, grads, accumulate=True):
-        """What one micro-batch adds to the accumulation buffers:
-        ``(plain or None, hooked or None, group-sharded or None)``.
+    def _contribution(self, grads):
+        """What one micro-batch contributes: ``(plain, hooked, group-sharded)``,
+        each None when there is none.
 
-        Plain gradients are packed shard-major (`packing.pack`) when they go
-        into a buffer; zero_stage 2 reduce-scatters them at once, bucket by
-        bucket. With nothing to accumulate into (`accumulate=False`, no
-        buffer) zero_stage 0/1 return the list of gradients, which `_update`
-        packs one bucket at a time: no full-size packed copy. Group-sharded
-        gradients are flattened and padded to a multiple of their group's
-        size d; zero_stage 2 reduce-scatters them over the group at once.
+        Plain gradients: for zero_stage 2 their reduce-scattered shards, one
+        per bucket, issued at once (`_reversed`); for zero_stage 0/1 the list
+        of gradients itself, packed one bucket at a time where it is used
+        (`_bucket`): no full-size packed copy. Hooked gradients are
+        flattened; group-sharded ones flattened and padded to a multiple of
+        their group's size d, and reduce-scattered over the group at once for
+        zero_stage 2.
         """
         s = self.state
         plain = [grads[i] for i in s.plain_index]
         hooked = [grads[i] for i in s.hooked_index]
-        packed = None
-        if plain:
-            if s.zero_stage == 2:
-                # Issued last bucket first (see `_reversed`): each bucket's
-                # full gradient is freed as soon as backward has made it.
-                shards = _reversed(
-                    s.buckets, lambda b: self._reduce_scatter(self._bucket(plain, b))
-                )
-                packed = tf.concat(shards, 0)
-            elif accumulate:
-                packed = packing.pack(plain, s.layout, tf.float32)
-            else:
-                packed = plain
+        if not plain:
+            plain = None
+        elif s.zero_stage == 2:
+            # Issued last bucket first (see `_reversed`): each bucket's
+            # full gradient is freed as soon as backward has made it.
+            plain = _Shards(
+                _reversed(s.buckets, lambda b: self._reduce_scatter(self._pack(plain, b)))
+            )
         flat = None
         if hooked:
             flat = tf.concat([tf.reshape(g, [-1]) for g in hooked], 0)
@@ -246,32 +243,40 @@ class AccumulateStep:
                     )
                 pieces.append(padded)
             grouped = tf.concat(pieces, 0)
-        return packed, flat, grouped
+        return plain, flat, grouped
 
-    def _bucket(self, contribution, bucket):
-        """Bucket `bucket`'s packed gradient: from the list of gradients, or
-        columns of the full packed ``[N * S]`` buffer (an accumulation)."""
-        s = self.state
+    def _pack(self, grads, bucket):
+        """Bucket `bucket`'s gradients (of the plain list `grads`), packed shard-major."""
         lo, hi = bucket
-        sub = s.layout.sub(lo, hi)
-        if isinstance(contribution, list):
-            return packing.pack(contribution[lo:hi], sub, tf.float32)
-        if (lo, hi) == (0, len(s.layout.sizes)):
-            return contribution
-        start = sum(s.layout.shard_sizes[:lo])
-        rows = tf.reshape(contribution, [s.num_shards, s.layout.shard_total])
-        return tf.reshape(rows[:, start:start + sub.shard_total], [sub.packed_size])
+        return packing.pack(grads[lo:hi], self.state.layout.sub(lo, hi), tf.float32)
+
+    def _bucket(self, plain, k):
+        """Bucket k's part of `plain` (see `_contribution`): packed (zero_stage
+        0/1) or its shard (zero_stage 2)."""
+        if isinstance(plain, (_Shards, _Accumulated)):
+            return plain.bucket(k)
+        return self._pack(plain, self.state.buckets[k])
+
+    def _accumulate(self, replica, plain):
+        """Adds each bucket of `plain` to its buffer; returns what was added."""
+        if plain is None:
+            return []
+        added = []
+        for k in reversed(range(len(self.state.buckets))):
+            piece = self._bucket(plain, k)
+            replica.acc[k].assign_add(piece)
+            added.append(piece)
+        return added
 
     def _update(self, replica, contribution, hooked_contribution, grouped_contribution=None):
         s = self.state
         call = self._call()
         for acc, c in (
-            (replica.acc, contribution),
             (replica.hooked_acc, hooked_contribution),
             (replica.group_acc, grouped_contribution),
         ):
             if acc is not None:
-                with tf.control_dependencies(c if isinstance(c, list) else [c]):
+                with tf.control_dependencies([c]):
                     acc.assign(tf.zeros_like(acc))
         scale = replica.scale.read_value()
         grads = []
@@ -279,25 +284,20 @@ class AccumulateStep:
             # 1. This replica's shard of the summed gradient, bucket by bucket
             # (the transient is a bucket's, not the model's): all-reduce
             # (zero_stage 0), reduce-scatter (1) or already reduced (2).
-            if s.zero_stage == 2:
-                grads = packing.split_shards(contribution * scale, s.layout)
-            else:
+            def reduce(k):
+                piece = self._bucket(contribution, k)
+                if isinstance(contribution, _Accumulated):
+                    # The bucket's buffer is cleared once read.
+                    contribution.clear(k, after=piece)
+                if s.zero_stage == 1:
+                    piece = self._reduce_scatter(piece)
+                elif s.zero_stage == 0 and not call.trivial:
+                    piece = _collective.run(lambda: _collective.all_reduce(piece, call))
+                return packing.split_shards(piece * scale, s.layout.sub(*s.buckets[k]))
 
-                def reduce(bucket):
-                    packed = self._bucket(contribution, bucket)
-                    if s.zero_stage == 1:
-                        total = self._reduce_scatter(packed)
-                    elif call.trivial:
-                        total = packed
-                    else:
-                        total = _collective.run(
-                            lambda: _collective.all_reduce(packed, call)
-                        )
-                    return packing.split_shards(total * scale, s.layout.sub(*bucket))
-
-                # Last bucket first (see `_reversed`).
-                for shards in _reversed(s.buckets, reduce):
-                    grads += shards
+            # Last bucket first (see `_reversed`).
+            for shards in _reversed(range(len(s.buckets)), reduce):
+                grads += shards
             shard_index = call.replica.rank if s.num_shards > 1 else 0
             # 2. Masters from the current weights (released between updates).
             for master, piece in zip(
@@ -630,6 +630,32 @@ class ExternalSlots:
             with tf.device(replica.device):
                 piece = packing.local_shards([flat], layout, rank, tf.float32)[0]
                 fill(local_variable(slot), tf.raw_ops.DeepCopy(x=piece))  # not a view of `flat`
+
+
+class _Shards:
+    """zero_stage 2's contribution: this replica's reduce-scattered shard of
+    each bucket."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def bucket(self, k):
+        return self.shards[k]
+
+
+class _Accumulated:
+    """The accumulation buffers (`ReplicaState.acc`) as a contribution: read
+    one bucket at a time, each cleared after its read."""
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    def bucket(self, k):
+        return self.buffers[k].read_value()
+
+    def clear(self, k, after):
+        with tf.control_dependencies([after]):
+            self.buffers[k].assign(tf.zeros_like(self.buffers[k]))
 
 
 def _reversed(buckets, fn):

@@ -15,9 +15,12 @@ replica to hold (and the strategy to keep in sync) the same full value.
   ``update_step`` maths is used; learning rate, iterations, weight decay,
   clipping and loss scaling are taken from the user's optimizer, whose own
   state (iterations, loss scale) advances exactly as without the callback.
-* ``acc``: the gradient accumulation buffer: the packed full gradient
-  (zero_stage 0/1) or this replica's reduce-scattered shard (zero_stage 2);
-  absent when nothing is accumulated.
+* ``acc``: the gradient accumulation buffers, one per communication bucket
+  (`accumulate_plan.buckets`): the bucket's packed full gradient
+  (zero_stage 0/1) or this replica's reduce-scattered shard of it
+  (zero_stage 2); empty when nothing is accumulated. One variable per
+  bucket lets a step add to, reduce and clear the buffers a bucket at a
+  time: no full-size temporary beside them.
 
 Variables that carry their own gradient reduction
 (`keras_comm.training.reduction`: sharded weights of `keras_comm.parallel`,
@@ -145,8 +148,8 @@ def fill(variable, value):
 class ReplicaState:
     """Variables one local replica holds (see the module docstring)."""
 
-    def __init__(self, device, layout, plain_index, hooked, config, acc_size, num_norms,
-                 grouped=(), group_acc_size=0):
+    def __init__(self, device, layout, plain_index, hooked, config, acc_sizes, num_norms,
+                 grouped=(), group_acc_size=0, accumulates=False):
         self.device = device
         with tf.device(device):
             self.masters = [
@@ -175,15 +178,14 @@ class ReplicaState:
             ]
             self.inner = config["class"].from_config(config["config"])
             self.inner.build(self.masters + self.hooked_masters + self.grouped_masters)
-            self.acc = (
-                tf.Variable(tf.zeros([acc_size], tf.float32), trainable=False)
-                if acc_size and layout.sizes
-                else None
-            )
+            self.acc = [
+                tf.Variable(tf.zeros([size], tf.float32), trainable=False)
+                for size in acc_sizes
+            ]
             hooked_size = sum(prod(v.shape) for _, v in hooked)
             self.hooked_acc = (
                 tf.Variable(tf.zeros([hooked_size], tf.float32), trainable=False)
-                if acc_size and hooked_size
+                if accumulates and hooked_size
                 else None
             )
             self.group_acc = (
@@ -228,7 +230,7 @@ class ReplicaState:
             "master": sum(_nbytes(v) for v in self.all_masters()),
             "accumulation": sum(
                 _nbytes(v)
-                for v in (self.acc, self.hooked_acc, self.group_acc)
+                for v in self.acc + [self.hooked_acc, self.group_acc]
                 if v is not None
             ),
         }
@@ -295,14 +297,13 @@ class ShardedState:
             with self.strategy.scope():
                 inner.build(self.all_variables)
         config = {"class": type(inner), "config": inner.get_config()}
-        if zero_stage == 2:
-            acc_size = self.layout.shard_total if accumulation_steps > 1 else 0
-        else:
-            acc_size = self.layout.packed_size if accumulation_steps > 1 else 0
+        # One accumulation buffer per bucket: its packed gradient (zero_stage
+        # 0/1) or this replica's shard of it (zero_stage 2).
+        acc_sizes = []
         if accumulation_steps > 1:
-            # A model whose weights all have their own reduction (FullyShard)
-            # has no packed buffer but still accumulates its hooked gradients.
-            acc_size = max(acc_size, 1)
+            for lo, hi in self.buckets:
+                sub = self.layout.sub(lo, hi)
+                acc_sizes.append(sub.shard_total if zero_stage == 2 else sub.packed_size)
         num_norms = len(self.all_variables) if dump_local_norm else 0
         self.devices = self._local_devices()
         hooked = list(zip(self.hooked_index, self.hooked))
@@ -319,7 +320,8 @@ class ShardedState:
         def create():
             return [
                 ReplicaState(d, self.layout, self.plain_index, hooked, config,
-                             acc_size, num_norms, grouped, group_acc_size)
+                             acc_sizes, num_norms, grouped, group_acc_size,
+                             accumulates=accumulation_steps > 1)
                 for d in self.devices
             ]
 
