@@ -19,6 +19,13 @@ SLOW_SECONDS = 1
 SECONDS = {
     "test_fully_shard.py::test_exactness_grid_matches_unwrapped": 222,
     "test_pipeline_multiprocess.py::test_pipeline_on_workers[4]": 214,
+    "test_fully_shard_kerashub.py::test_a_model_built_in_deferred_weights_is_never_whole[gpt2]": 58,
+    "test_fully_shard_kerashub.py::test_kerashub_causal_lm_fully_sharded_matches_one_process[gpt2]": 47,
+    "test_fully_shard_kerashub.py::test_kerashub_causal_lm_fully_sharded_matches_one_process[llama]": 42,
+    "test_fully_shard_kerashub.py::test_a_model_built_in_deferred_weights_is_never_whole[llama]": 39,
+    "test_fully_shard_kerashub.py::test_kerashub_causal_lm_fully_sharded_matches_one_process[gemma]": 32,
+    "test_fully_shard_kerashub.py::test_llama_under_sgd_matches_one_process": 26,
+    "test_fully_shard_kerashub.py::test_in_place_wrapping_keeps_the_models_structure": 6.9,
     "test_checkpoint_multiprocess.py::test_checkpoints_across_workers": 161,
     "test_fully_shard_multiprocess.py::test_kerashub_models_fully_sharded_across_processes": 218,
     "test_fully_shard_multiprocess.py::test_fully_sharded_fits_and_resumes_across_processes": 75,
