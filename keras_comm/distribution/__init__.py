@@ -75,16 +75,19 @@ def gathered(model_or_layer):
 def install():
     """Makes Keras's TensorFlow variables honour `keras.distribution` (by `compat`)."""
     from keras_comm._private import keras_api
+    from keras_comm.distribution import _split
     from keras_comm.distribution import _variable
 
     keras_api.install_variable_initialization(_variable.initialize)
     keras_api.install_output_relayout()
+    keras_api.install_split_compute(_split.call)
 
 
 def uninstall():
     from keras_comm._private import keras_api
 
     keras_api.restore_variable_initialization()
+    keras_api.restore_split_compute()
 
 
 __all__ = ["Blocks", "ShardedVariable", "gathered", "is_sharded", "list_devices"]

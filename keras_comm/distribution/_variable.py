@@ -87,6 +87,13 @@ class ShardedVariable(keras.Variable):
         """The `Blocks`: how the weight is split over the mesh."""
         return self._keras_comm_blocks
 
+    @property
+    def batch_axis(self):
+        """The distribution's `batch_dim_name` when the weight was created
+        (None without one): dimensions split over it are gathered before use,
+        dimensions split over other axes may split the compute."""
+        return self._keras_comm_batch_axis
+
     def full_value(self):
         """The full weight as a tensor (see the module docstring for where)."""
         value = keras_api.stateless_value(self)
@@ -113,7 +120,7 @@ class ShardedVariable(keras.Variable):
         for dim, axes in enumerate(blocks.dim_axes):
             if blocks.pieces(dim) > 1:
                 block = _collectives.gather_along(
-                    block, dim, blocks.gather_group(dim, rank), name=f"{self.name}_gather"
+                    block, dim, blocks.gather_group(dim, rank), name=f"{self.path}_gather"
                 )
         # The gathers leave the gathered dimension unknown; layers read shapes.
         return tf.ensure_shape(block, blocks.full_shape)
@@ -325,6 +332,9 @@ def initialize(variable, initializer, shape):
     variable.__class__ = ShardedVariable
     variable._keras_comm_blocks = blocks
     variable._keras_comm_strategy = strategy
+    variable._keras_comm_batch_axis = getattr(
+        keras.distribution.distribution(), "batch_dim_name", None
+    )
     annotations.set_gradient_hook(storage, lambda g: _reduce_gradient(blocks, g, variable.name))
     return storage
 
