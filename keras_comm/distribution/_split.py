@@ -198,6 +198,7 @@ def _local_block(variable, model_dim):
                 block, dim, blocks.gather_group(dim, rank), name=f"{variable.path}_gather"
             )
             shape[dim] = blocks.full_shape[dim]
+            block = tf.ensure_shape(block, shape)
     return tf.ensure_shape(block, shape), blocks.gather_group(model_dim, rank)
 
 

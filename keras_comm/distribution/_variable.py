@@ -4,7 +4,9 @@ A weight whose layout splits it (`keras_comm.distribution._blocks`) is a
 `ShardedVariable`: a Keras variable whose shape is the full weight's and
 whose storage is a per-replica `tf.Variable` of the block's shape (under
 `tf.distribute.MultiWorkerMirroredStrategy`, a mirrored variable whose
-components hold different blocks). Reads give the full weight:
+components hold different blocks). A Dense / EinsumDense / Embedding whose
+kernel is split over a model axis does not read it whole: it computes on the
+block (`keras_comm.distribution._split`). Reads give the full weight:
 
 * **inside a replica step** (`fit`, `evaluate`, `predict`): the block,
   all-gathered over each split dimension's gather group. Backward: the
@@ -117,13 +119,17 @@ class ShardedVariable(keras.Variable):
     def _gather(self, block):
         blocks = self.blocks
         rank = _collectives.my_rank()
+        shape = list(blocks.block_shape)
         for dim, axes in enumerate(blocks.dim_axes):
             if blocks.pieces(dim) > 1:
                 block = _collectives.gather_along(
                     block, dim, blocks.gather_group(dim, rank), name=f"{self.path}_gather"
                 )
-        # The gathers leave the gathered dimension unknown; layers read shapes.
-        return tf.ensure_shape(block, blocks.full_shape)
+                # The gathers leave the gathered dimension unknown; layers
+                # (and the next gather) read shapes.
+                shape[dim] = blocks.full_shape[dim]
+                block = tf.ensure_shape(block, shape)
+        return block
 
     def _host_full(self):
         strategy = self._keras_comm_strategy

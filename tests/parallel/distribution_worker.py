@@ -85,6 +85,11 @@ def gpt2(seed=1):
 
 MODELS = {"mlp": mlp, "llama": llama, "gemma": gemma, "gpt2": gpt2}
 
+# The split weights a training step gathers whole under the model's own
+# layout map: every kernel and Llama's (untied) table compute split;
+# Gemma's table is tied to its output projection, which reads it whole.
+EXPECTED_WHOLE = {"llama": [], "gemma": ["token_embedding/embeddings"]}
+
 
 def layout_map_of(name, mesh):
     import keras_hub
