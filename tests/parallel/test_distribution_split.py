@@ -150,6 +150,10 @@ def test_split_compute_equals_one_process_in_float64(replicas, mesh_shape, enabl
     assert W.rel([forward], [split.predict(x, batch_size=len(x), verbose=0)]) <= 1e-12
     assert predicted.shape == forward.shape
     whole = set(W.gathered_whole(split, records))
+    # Every in-process replica traces its own step: bytes per replica.
+    print(f"replicas={replicas} split_compute={enabled}: split weights all-gathered per "
+          f"replica per step {W.gathered_bytes(split, records) // replicas} bytes; "
+          f"the split weights hold {8 * sum(int(np.prod(v.shape)) for v in W.split_weights(split))}")
     if enabled:
         assert whole == {"col/bias"}, whole  # no kernel, no table
     else:
