@@ -619,6 +619,77 @@ def _keep_layout(tensor, layout):
     return tensor
 
 
+_LAYER_CALL_ORIGINAL_ATTR = "_keras_comm_original_call"
+
+
+def _split_layer_classes():
+    """The layers whose `call` reads one kernel the split-compute hook handles."""
+    return {
+        "dense": keras.layers.Dense,
+        "einsum_dense": keras.layers.EinsumDense,
+        "embedding": keras.layers.Embedding,
+    }
+
+
+def install_split_compute(hook):
+    """Lets `hook` compute a Dense / EinsumDense / Embedding call split.
+
+    ``hook(kind, layer, inputs)`` runs first in the layer's `call` (kind is
+    "dense", "einsum_dense" or "embedding"): it returns the layer's output,
+    computed on this replica's block of the kernel, or None to run Keras's
+    own `call` (which reads the whole kernel). `call` is the narrowest
+    place that sees both the input and the kernel. Subclasses that call
+    ``super().call(inputs)`` (KerasHub's `ReversibleEmbedding` lookup) pass
+    through it; ones that replace `call` do not.
+    """
+    import functools
+
+    for kind, cls in _split_layer_classes().items():
+        if _LAYER_CALL_ORIGINAL_ATTR in cls.__dict__:
+            continue
+        original = cls.call
+
+        def make(kind, original):
+            @functools.wraps(original)
+            def call(self, inputs, *args, **kwargs):
+                out = hook(kind, self, inputs)
+                if out is None:
+                    return original(self, inputs, *args, **kwargs)
+                return out
+
+            return call
+
+        setattr(cls, _LAYER_CALL_ORIGINAL_ATTR, original)
+        cls.call = make(kind, original)
+
+
+def restore_split_compute():
+    for cls in _split_layer_classes().values():
+        original = cls.__dict__.get(_LAYER_CALL_ORIGINAL_ATTR)
+        if original is not None:
+            cls.call = original
+            delattr(cls, _LAYER_CALL_ORIGINAL_ATTR)
+
+
+def upstream_layer_call(kind):
+    """Keras's own `call` of a split-compute layer (before the hook)."""
+    cls = _split_layer_classes()[kind]
+    return cls.__dict__.get(_LAYER_CALL_ORIGINAL_ATTR, cls.call)
+
+
+def plain_kernel(layer, kind):
+    """The kernel variable `layer`'s call reads as is, or None.
+
+    Dense / EinsumDense read `_kernel`, Embedding `_embeddings`, through a
+    property that adds LoRA or unpacks a quantized kernel: a layer in
+    either mode reads more than its variable, so None (its call is not
+    split).
+    """
+    if getattr(layer, "lora_enabled", False) or layer.quantization_mode is not None:
+        return None
+    return getattr(layer, "_embeddings" if kind == "embedding" else "_kernel", None)
+
+
 # --- Fully sharded layers: weights without storage, checkpoints by structure --
 
 
@@ -984,6 +1055,16 @@ def relied_on():
             base_optimizer.BaseOptimizer.add_variable_from_reference
         ),
         "Layer.__call__": keras.layers.Layer.__call__,
+        # Split compute (keras_comm.distribution._split) replaces these calls
+        # with the same maths on a kernel block, reading `_kernel` /
+        # `_embeddings` where their properties add nothing (no LoRA, not
+        # quantized).
+        "Dense.call": upstream_layer_call("dense"),
+        "EinsumDense.call": upstream_layer_call("einsum_dense"),
+        "Embedding.call": upstream_layer_call("embedding"),
+        "Dense.kernel": keras.layers.Dense.kernel.fget,
+        "EinsumDense.kernel": keras.layers.EinsumDense.kernel.fget,
+        "Embedding.embeddings": keras.layers.Embedding.embeddings.fget,
         "StatelessScope.get_current_value": stateless_scope.StatelessScope.get_current_value,
     })
     return {name: fn for name, fn in out.items() if fn is not None}

@@ -5,11 +5,24 @@ With keras_comm imported, a model built inside both
 `keras.distribution.ModelParallel(layout_map=...).scope()` stores every
 weight its layout map splits as this replica's block only: the weight is
 created directly as its block (the full initial value exists once,
-transiently, on the host), gathered whole when a layer uses it, and its
-gradient is reduce-scattered back onto the blocks. `fit` on global batches
-then equals one process on the same batches; `get_weights` /
-`set_weights` and saved files hold full values. See
-docs/large_models.md.
+transiently, on the host). `fit` on global batches then equals one process
+on the same batches; `get_weights` / `set_weights` and saved files hold
+full values. See docs/large_models.md.
+
+How a step uses a split weight:
+
+* **split compute** for the kernel of a `Dense` / `EinsumDense` or the
+  table of an `Embedding` split over a model axis (any mesh axis but the
+  `batch_dim_name`): a column split (an output dimension) or a row split (a
+  contracted dimension) runs on this replica's block, as the tensor-parallel
+  layers of `keras_comm.parallel` do, exchanging activations within the
+  model group; an embedding split by vocabulary looks up the ids in its
+  rows. The kernel is never whole. Dimensions split over the batch axis are
+  gathered first (FSDP style).
+* **gather on use** for every other split weight (biases, normalization
+  scales, other layers' weights, a tied output projection): gathered whole
+  when a layer reads it, its gradient reduce-scattered back onto the
+  blocks.
 
 What keras_comm does with each part of `keras.distribution`:
 
@@ -17,10 +30,11 @@ What keras_comm does with each part of `keras.distribution`:
   `list_devices()` (one worker: Keras's own `list_devices()` too); a mesh of
   another size raises.
 * `LayoutMap` / `TensorLayout`: a dimension named with a mesh axis is split
-  over that axis (gather on use); `None` keeps it whole.
+  over that axis; `None` keeps it whole.
 * `ModelParallel(batch_dim_name=...)`: every replica takes its own slice of
-  the global batch, whatever the mesh's shape (the weights are whole when
-  used, so no replica needs another's samples).
+  the global batch, whatever the mesh's shape; a split layer hands each
+  replica back its own samples' outputs. Weight dimensions split over the
+  batch axis are gathered before use.
 * `DataParallel`: plain data parallelism; its mesh is checked.
 * output layouts (``".../output"`` keys): accepted, no effect.
 
@@ -75,16 +89,19 @@ def gathered(model_or_layer):
 def install():
     """Makes Keras's TensorFlow variables honour `keras.distribution` (by `compat`)."""
     from keras_comm._private import keras_api
+    from keras_comm.distribution import _split
     from keras_comm.distribution import _variable
 
     keras_api.install_variable_initialization(_variable.initialize)
     keras_api.install_output_relayout()
+    keras_api.install_split_compute(_split.call)
 
 
 def uninstall():
     from keras_comm._private import keras_api
 
     keras_api.restore_variable_initialization()
+    keras_api.restore_split_compute()
 
 
 __all__ = ["Blocks", "ShardedVariable", "gathered", "is_sharded", "list_devices"]

@@ -4,7 +4,9 @@ A weight whose layout splits it (`keras_comm.distribution._blocks`) is a
 `ShardedVariable`: a Keras variable whose shape is the full weight's and
 whose storage is a per-replica `tf.Variable` of the block's shape (under
 `tf.distribute.MultiWorkerMirroredStrategy`, a mirrored variable whose
-components hold different blocks). Reads give the full weight:
+components hold different blocks). A Dense / EinsumDense / Embedding whose
+kernel is split over a model axis does not read it whole: it computes on the
+block (`keras_comm.distribution._split`). Reads give the full weight:
 
 * **inside a replica step** (`fit`, `evaluate`, `predict`): the block,
   all-gathered over each split dimension's gather group. Backward: the
@@ -87,6 +89,13 @@ class ShardedVariable(keras.Variable):
         """The `Blocks`: how the weight is split over the mesh."""
         return self._keras_comm_blocks
 
+    @property
+    def batch_axis(self):
+        """The distribution's `batch_dim_name` when the weight was created
+        (None without one): dimensions split over it are gathered before use,
+        dimensions split over other axes may split the compute."""
+        return self._keras_comm_batch_axis
+
     def full_value(self):
         """The full weight as a tensor (see the module docstring for where)."""
         value = keras_api.stateless_value(self)
@@ -110,13 +119,17 @@ class ShardedVariable(keras.Variable):
     def _gather(self, block):
         blocks = self.blocks
         rank = _collectives.my_rank()
+        shape = list(blocks.block_shape)
         for dim, axes in enumerate(blocks.dim_axes):
             if blocks.pieces(dim) > 1:
                 block = _collectives.gather_along(
-                    block, dim, blocks.gather_group(dim, rank), name=f"{self.name}_gather"
+                    block, dim, blocks.gather_group(dim, rank), name=f"{self.path}_gather"
                 )
-        # The gathers leave the gathered dimension unknown; layers read shapes.
-        return tf.ensure_shape(block, blocks.full_shape)
+                # The gathers leave the gathered dimension unknown; layers
+                # (and the next gather) read shapes.
+                shape[dim] = blocks.full_shape[dim]
+                block = tf.ensure_shape(block, shape)
+        return block
 
     def _host_full(self):
         strategy = self._keras_comm_strategy
@@ -325,6 +338,9 @@ def initialize(variable, initializer, shape):
     variable.__class__ = ShardedVariable
     variable._keras_comm_blocks = blocks
     variable._keras_comm_strategy = strategy
+    variable._keras_comm_batch_axis = getattr(
+        keras.distribution.distribution(), "batch_dim_name", None
+    )
     annotations.set_gradient_hook(storage, lambda g: _reduce_gradient(blocks, g, variable.name))
     return storage
 

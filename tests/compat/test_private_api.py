@@ -388,6 +388,12 @@ _KERAS_SHA256 = {
         "BaseOptimizer.add_variable_from_reference": "00c77a731b5a12c96ba3e7b8bac5bc1c103ef4f59c879196320af8da4681966f",
         "Layer.__call__": "4fb7e42e4ffd9b1ab8d23006c049981364609973d18a066a27547c29c1c31754",
         "StatelessScope.get_current_value": "10bed40ffeae5fca2c5b1a80c290f9cd8871d3e2053d4606c7ecd4fbf7d3cb74",
+        "Dense.call": "50d7f2ec4bcf91d03dab1762f182081e9cce95289e086444c3177d142692a50b",
+        "EinsumDense.call": "11e1183ef9c2b8e574d47fe58a8f7315b06de34c5e1a6588ae6936f8a7529b64",
+        "Embedding.call": "2fe5e1e7474fd6709869bc3ff4326ba70c9a5e0aac30ac2d14623cf8463b3e4c",
+        "Dense.kernel": "62ffa16ca549786e5fb2343726b3c8c8f73cfe4fae5b638ded84755fbf133eda",
+        "EinsumDense.kernel": "29801be8eb865a3b603c57027eae44fc0f4ab13c51686f41865b12feb7b1e5c8",
+        "Embedding.embeddings": "6eb00a148e784953bab7ed13cdc950499f15480ae22d4b46bec7934552b71ed1",
     },
     # keras-nightly (the 3.16 pre-release): the changes and how each is
     # handled are in docs/troubleshooting.md ("Keras 3.16").
@@ -533,6 +539,17 @@ def test_private_keras_attributes_exist():
     assert dense in keras_api.sublayers(model)
     assert keras_api.optimizer_references(model.optimizer) == list(model.trainable_variables)
     assert hasattr(keras.Variable, "_initialize_with_initializer")
+    # What split compute reads (keras_api.plain_kernel): the variables behind
+    # the kernel properties, and the hook in place of Keras's calls.
+    assert keras_api.plain_kernel(dense, "dense") is dense.kernel
+    embedding = keras.layers.Embedding(5, 2)
+    embedding.build((None,))
+    assert keras_api.plain_kernel(embedding, "embedding") is embedding.embeddings
+    einsum = keras.layers.EinsumDense("ab,bc->ac", 2)
+    einsum.build((None, 3))
+    assert keras_api.plain_kernel(einsum, "einsum_dense") is einsum.kernel
+    for kind, cls in (("dense", keras.layers.Dense), ("embedding", keras.layers.Embedding)):
+        assert cls.call.__wrapped__ is keras_api.upstream_layer_call(kind)
     functional = keras.Model(model.inputs, model.outputs)
     for name in ("_operations", "_operations_by_depth", "_nodes_by_depth"):
         assert hasattr(functional, name), name

@@ -8,6 +8,7 @@ strategies; run as a script (tests/test_distribution_multiprocess.py) every
 worker is one replica of a real MultiWorkerMirroredStrategy.
 """
 
+import contextlib
 import os
 import tempfile
 import time
@@ -84,6 +85,11 @@ def gpt2(seed=1):
 
 MODELS = {"mlp": mlp, "llama": llama, "gemma": gemma, "gpt2": gpt2}
 
+# The split weights a training step gathers whole under the model's own
+# layout map: every kernel and Llama's (untied) table compute split;
+# Gemma's table is tied to its output projection, which reads it whole.
+EXPECTED_WHOLE = {"llama": [], "gemma": ["token_embedding/embeddings"]}
+
 
 def layout_map_of(name, mesh):
     import keras_hub
@@ -128,6 +134,55 @@ def split_weights(model):
     return [v for v in model.weights if keras_comm.distribution.is_sharded(v)]
 
 
+# --- What a traced step gathers ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording_weight_gathers():
+    """Records every weight all-gather traced inside: ``[(op name, elements out)]``.
+
+    A split weight's gathers are named after its path (``<path>_gather``);
+    the elements are the gathered output's (input elements x group size).
+    """
+    from keras_comm._private import tf_api
+
+    records = []
+    original = tf_api.all_gather_v2
+
+    def recording(**kwargs):
+        name = kwargs.get("name") or ""
+        if name.endswith("_gather_all_gather"):
+            records.append((name, kwargs["t"].shape.num_elements() * kwargs["group_size"]))
+        return original(**kwargs)
+
+    tf_api.all_gather_v2 = recording
+    try:
+        yield records
+    finally:
+        tf_api.all_gather_v2 = original
+
+
+def _op_base(path):
+    return "".join(c if c.isalnum() or c in "_.-" else "_" for c in path)
+
+
+def gathered_whole(model, records):
+    """The paths of split weights some recorded gather rebuilt whole."""
+    out = set()
+    for v in split_weights(model):
+        full = int(np.prod(v.shape))
+        name = _op_base(v.path) + "_gather_all_gather"
+        if any(n == name and e == full for n, e in records):
+            out.add(v.path)
+    return sorted(out)
+
+
+def gathered_bytes(model, records):
+    """Bytes of split weights all-gathered by one traced step's forward."""
+    size = {_op_base(v.path) + "_gather_all_gather": v.dtype for v in split_weights(model)}
+    return sum(e * np.dtype(size[n]).itemsize for n, e in records if n in size)
+
+
 # --- The scenario -----------------------------------------------------------------
 
 
@@ -152,8 +207,11 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1,
     ref_hist = ref.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     ref_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hist = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    with recording_weight_gathers() as records:
+        hist = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     out["fit_seconds"] = time.perf_counter() - t0
+    out["gathered_whole"] = gathered_whole(model, records)
+    out["gathered_bytes"] = gathered_bytes(model, records)
     out["ref_fit_seconds"] = ref_seconds
     out["loss"] = rel([ref_hist.history["loss"]], [hist.history["loss"]])
     out["weights"] = rel(ref.get_weights(), model.get_weights())

@@ -70,6 +70,11 @@ def test_bad_layouts_name_the_weight_and_the_layout(shape, axes, match):
 def test_model_parallel_mlp_equals_one_process(mesh_shape, split):
     out = W.train_and_compare(make_strategy(4), "mlp", mesh_shape)
     assert out["split"] == split and out["blocks_stored"], out
+    # d1's kernel splits columns over "model" and d2's rows; under (4, 1)
+    # d2's kernel is split over "batch" only: FSDP, gathered whole.
+    # The split bias is always gathered on use.
+    whole = ["mlp/d2/kernel"] if mesh_shape == (4, 1) else ["mlp/d1/bias"]
+    assert out["gathered_whole"] == whole, out
     assert out["slots_split"] == 2 * split, out  # Adam's two moments per split weight
     assert out["stored_fraction"] < 0.9, out
     for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
@@ -83,6 +88,9 @@ def test_model_parallel_mlp_equals_one_process(mesh_shape, split):
 def test_kerashub_layout_maps_equal_one_process(name):
     out = W.train_and_compare(make_strategy(4), name, (2, 2))
     assert out["split"] >= 10 and out["blocks_stored"], out
+    # Every split kernel computes split; Gemma's tied table is read whole by
+    # its output projection (gathered on use).
+    assert out["gathered_whole"] == W.EXPECTED_WHOLE[name], out
     for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
         assert out[key] <= RTOL, (key, out)
     assert out["generate_equal"], out

@@ -11,6 +11,7 @@ model to the plain one and back.
 
 import pytest
 
+import distribution_worker as W
 from _cluster import run_cluster
 
 RTOL = 1e-5
@@ -29,5 +30,8 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
                 assert out["split"] >= 10 and out["blocks_stored"], (rank, case, out)
                 assert out["slots_split"] == 2 * out["split"], (rank, case, out)
                 assert out["stored_fraction"] < 0.7, (rank, case, out)
+                # Split compute: no kernel is all-gathered whole in a step.
+                expected = W.EXPECTED_WHOLE[case.split("-")[0]]
+                assert out["gathered_whole"] == expected, (rank, case, out)
             else:
                 assert out["split"] == 0, (rank, case, out)
