@@ -6,7 +6,8 @@ strategy, shards it in place with `keras_comm.parallel.fully_shard`, trains
 it on global batches and compares it with the same model trained in this
 process alone on the same batches; then `generate()` (inside
 `keras_comm.parallel.gathered`) and `.weights.h5` files from the sharded
-model to the plain one and back. tests/parallel/test_fully_shard_kerashub.py
+model to the plain one and back (and, with `keras_files`, whole-model
+`.keras` files both ways). tests/parallel/test_fully_shard_kerashub.py
 calls it with logical-device strategies; run as a script
 (tests/parallel/test_fully_shard_multiprocess.py) every worker is one
 replica of a real MultiWorkerMirroredStrategy.
@@ -50,7 +51,8 @@ def compile_model(model, name, optimizer):
     )
 
 
-def train_and_compare(strategy, name, tmp=None, steps=2, deferred=False, optimizer=None):
+def train_and_compare(strategy, name, tmp=None, steps=2, deferred=False, optimizer=None,
+                      keras_files=False):
     """Trains `name` fully sharded and alone; returns the comparisons.
 
     `deferred`: the sharded model is built inside `deferred_weights()`
@@ -58,7 +60,7 @@ def train_and_compare(strategy, name, tmp=None, steps=2, deferred=False, optimiz
     "adam" or "sgd" (default: `OPTIMIZERS[name]`).
     """
     optimizer = optimizer or OPTIMIZERS[name]
-    out = _train_and_compare(strategy, name, tmp, steps, deferred, optimizer)
+    out = _train_and_compare(strategy, name, tmp, steps, deferred, optimizer, keras_files)
     out["optimizer"] = optimizer
     return out
 
@@ -79,7 +81,7 @@ def build_sharded(strategy, name, deferred, optimizer):
     return model, sharded, unallocated
 
 
-def _train_and_compare(strategy, name, tmp, steps, deferred, optimizer):
+def _train_and_compare(strategy, name, tmp, steps, deferred, optimizer, keras_files):
     x, y = W.data(name, steps)
     ref = W.MODELS[name]()
     ref_initial = ref.get_weights()
@@ -125,14 +127,27 @@ def _train_and_compare(strategy, name, tmp, steps, deferred, optimizer):
     ref.save_weights(plain_path)
     model.load_weights(plain_path)
     out["plain_to_sharded"] = rel(ref.get_weights(), P.full_weights(model))
+    if keras_files:
+        # Whole-model `.keras` files: the sharded model's loads as the plain
+        # model (`keras.saving.load_model`), and a plain model's file loads
+        # into the sharded one.
+        model.save(mine.replace(".weights.h5", ".keras"))
+        loaded = keras.saving.load_model(mine.replace(".weights.h5", ".keras"))
+        out["keras_to_plain"] = rel(P.full_weights(model), loaded.get_weights())
+        other = W.MODELS[name](seed=3)
+        keras_path = mine.replace(".weights.h5", ".plain.keras")
+        other.save(keras_path)
+        model.load_weights(keras_path)
+        out["keras_to_sharded"] = rel(other.get_weights(), P.full_weights(model))
     return out
 
 
 def check(out, rtol, num_replicas):
     """The failed checks of one scenario's result (empty: all hold)."""
     bad = {}
-    for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_sharded"):
-        if not out[key] <= rtol:
+    for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_sharded",
+                "keras_to_plain", "keras_to_sharded"):
+        if key in out and not out[key] <= rtol:
             bad[key] = out[key]
     if not out["in_place"]:
         bad["in_place"] = False
@@ -160,7 +175,9 @@ if __name__ == "__main__":
     from _strategy import strategy
 
     tmp = sys.argv[1]
-    results = {name: train_and_compare(strategy, name, tmp=tmp) for name in MODELS}
+    results = {
+        name: train_and_compare(strategy, name, tmp=tmp, keras_files=True) for name in MODELS
+    }
     results["gpt2-deferred"] = train_and_compare(strategy, "gpt2", tmp=tmp, deferred=True)
     write_result(results)
     finish()

@@ -108,7 +108,9 @@ def test_kerashub_models_fully_sharded_across_processes(tmp_path):
     KerasHub's GPT-2, Llama and Gemma causal LMs sharded in place, and GPT-2
     built inside `deferred_weights()`, each trained on global batches vs the
     same model trained in each worker's process alone; then `generate()`
-    inside `gathered` and `.weights.h5` files both ways."""
+    inside `gathered`, `.weights.h5` files both ways, and whole-model `.keras`
+    files both ways (the sharded model's loaded by `keras.saving.load_model`
+    as a plain model; a plain model's loaded into the sharded one)."""
     import fully_shard_kerashub_worker as hub
 
     result = run_cluster("parallel/fully_shard_kerashub_worker.py", 2, tmp_path, timeout=900).check()
@@ -118,3 +120,5 @@ def test_kerashub_models_fully_sharded_across_processes(tmp_path):
         for case, out in r.items():
             assert not hub.check(out, RTOL, 2), (rank, case, out)
         assert r["gpt2-deferred"]["unallocated_before_sharding"] is True, r
+        for name in hub.MODELS:
+            assert {"keras_to_plain", "keras_to_sharded"} <= set(r[name]), (name, r[name])
