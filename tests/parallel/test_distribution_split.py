@@ -118,8 +118,12 @@ def _reference(x, y):
     [(2, (1, 2), True), (4, (2, 2), True), (2, (1, 2), False)],
 )
 def test_split_compute_equals_one_process_in_float64(replicas, mesh_shape, enabled):
-    floatx = keras.config.floatx()
+    # The global dtype policy, not floatx, decides a new layer's dtype once
+    # any layer has been made in this process (Keras fixes the policy from
+    # floatx at its first read): set both, restore both.
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         strategy = make_strategy(replicas)
         x, y = _data(2 * replicas)
@@ -142,6 +146,7 @@ def test_split_compute_equals_one_process_in_float64(replicas, mesh_shape, enabl
             _split.enabled = True
     finally:
         keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
     # Gradients: the SGD step's change equals the reference gradient's.
     delta = [a - w for a, w in zip(after, w0)]
     want = [e - w for e, w in zip(expected, w0)]
