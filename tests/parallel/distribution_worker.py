@@ -248,6 +248,184 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1,
     return out
 
 
+# --- Resume and float64 -------------------------------------------------------------
+
+# A resume's data: 3 steps of one epoch, a backup after step 2 (Adam's
+# moments carry two steps' state), the first run stopped as step 3 begins;
+# the resumed run trains step 3 from the backup.
+RESUME_STEPS = 3
+SAVE_FREQ = 2
+INTERRUPT_AT = 2
+
+
+@contextlib.contextmanager
+def float64():
+    """floatx and the global dtype policy set to float64, both restored on exit.
+
+    Both: once any layer exists, Keras takes a new layer's dtype from the
+    global policy, and losses compute in floatx.
+    """
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
+
+
+def build(strategy, name, mode, mesh_shape=None, seed=1):
+    """`name` compiled under the strategy: `mode` "model" (its own layout map
+    on a `mesh_shape` mesh), "data" (`DataParallel`) or "fully_shard"."""
+    if mode == "fully_shard":
+        from keras_comm import parallel
+
+        with strategy.scope():
+            model = MODELS[name](seed)
+            parallel.fully_shard(model)
+            compile_model(model, name)
+        return model
+    dist = distribution_for(name, mesh_shape, mode, strategy)
+    with strategy.scope(), dist.scope():
+        model = MODELS[name](seed)
+        compile_model(model, name)
+    return model
+
+
+def full_weights(model):
+    """Full values in the unsplit model's order (split and sharded weights gathered)."""
+    from keras_comm import parallel
+
+    return parallel.full_weights(model)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops `fit` as global step `at + 1` begins (every worker: same batch)."""
+
+    def __init__(self, at=INTERRUPT_AT):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at:
+            raise RuntimeError("interrupted")
+
+
+def _fit(model, name, callbacks=()):
+    x, y = data(name, RESUME_STEPS)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def interrupted_fit(strategy, name, mode, mesh_shape, backup_dir):
+    """`fit` with `BackupAndRestore(save_freq=SAVE_FREQ)`, stopped at step INTERRUPT_AT + 1."""
+    model = build(strategy, name, mode, mesh_shape)
+    try:
+        _fit(model, name, [Interrupt(), keras_comm.callbacks.BackupAndRestore(backup_dir, save_freq=SAVE_FREQ)])
+    except RuntimeError as e:
+        if "interrupted" not in str(e):
+            raise
+    else:
+        raise RuntimeError("fit was not interrupted")
+
+
+def resumed_fit(strategy, name, mode, mesh_shape, backup_dir):
+    """A model with other initial values, resumed from the backup."""
+    model = build(strategy, name, mode, mesh_shape, seed=2)
+    _fit(model, name, [keras_comm.callbacks.BackupAndRestore(backup_dir, save_freq=SAVE_FREQ)])
+    return model
+
+
+def straight_fit(strategy, name, mode, mesh_shape):
+    """The uninterrupted run's full weights."""
+    model = build(strategy, name, mode, mesh_shape)
+    _fit(model, name)
+    return full_weights(model)
+
+
+def one_process_fit(name):
+    """The unsplit model trained in this process alone (no strategy)."""
+    ref = MODELS[name]()
+    compile_model(ref, name)
+    _fit(ref, name)
+    return ref
+
+
+# Two launches of 2 workers: the first trains straight and stops a run
+# after a backup; the second (fresh processes) resumes it.
+RESUME_CASES = {
+    "llama-model": ("llama", "model"),
+    "gemma-model": ("gemma", "model"),
+    "gpt2-fully_shard": ("gpt2", "fully_shard"),
+}
+
+
+def stop_with_backups(strategy, state_dir):
+    """The first launch: each case's uninterrupted weights, and a backup left."""
+    workers = keras_comm.topology.worker_count(strategy)
+    out = {}
+    for case, (name, mode) in RESUME_CASES.items():
+        mesh_shape = (1, workers)
+        out[case] = straight_fit(strategy, name, mode, mesh_shape)
+        interrupted_fit(strategy, name, mode, mesh_shape, os.path.join(state_dir, f"backup-{case}"))
+    return out
+
+
+def resume_from_backups(strategy, state_dir):
+    """The second launch: each case resumed from the first launch's backup."""
+    workers = keras_comm.topology.worker_count(strategy)
+    return {
+        case: full_weights(
+            resumed_fit(strategy, name, mode, (1, workers), os.path.join(state_dir, f"backup-{case}"))
+        )
+        for case, (name, mode) in RESUME_CASES.items()
+    }
+
+
+# On 4 workers, in float64: each model and mode is stopped after a backup,
+# resumed by a model built anew, and compared with the unsplit model
+# trained uninterrupted in one process (the chief's, in the results); the
+# chief saves the resumed model's `.weights.h5` for the test to load into
+# the unsplit model. Gemma's layout map and the files in both directions
+# run on 2 workers (the launch above): every case here costs the shared
+# 4-worker launch about a minute.
+FOUR_WORKER_CASES = {
+    "llama-model-2x2": ("llama", "model", (2, 2)),
+    "gpt2-fully_shard": ("gpt2", "fully_shard", None),
+}
+# Relative bound against one process in float64. Gemma computes its
+# RMSNormalization and attention softmax in float32 whatever the dtype
+# (KerasHub's choice), so it agrees to float32 round-off only.
+FLOAT64_RTOL = {"llama": 1e-9, "gpt2": 1e-9, "gemma": 1e-5}
+
+
+def four_workers(strategy, state_dir):
+    """The 4-worker group of the shared launch (tests/parallel/pipeline_worker.py).
+
+    Returns, per case: this worker's resumed full weights and the unsplit
+    model's trained in the chief's process alone (chief only). The chief's
+    resumed model is saved to ``STATE_DIR/<case>.weights.h5``.
+    """
+    chief = keras_comm.topology.is_chief(strategy)
+    out = {}
+    for case, (name, mode, mesh_shape) in FOUR_WORKER_CASES.items():
+        t0 = time.perf_counter()
+        result = {}
+        with float64():
+            if chief:
+                result["one_process"] = one_process_fit(name).get_weights()
+            backup = os.path.join(state_dir, f"backup64-{case}")
+            interrupted_fit(strategy, name, mode, mesh_shape, backup)
+            model = resumed_fit(strategy, name, mode, mesh_shape, backup)
+            result["weights"] = full_weights(model)
+            result["dtypes"] = sorted({str(np.asarray(w).dtype) for w in result["weights"]})
+            result["split"] = len(split_weights(model))
+            model.save_weights(os.path.join(state_dir if chief else tempfile.mkdtemp(), f"{case}.weights.h5"))
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        out[case] = result
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
@@ -259,6 +437,9 @@ if __name__ == "__main__":
 
     workers = keras_comm.topology.worker_count(strategy)
     tmp = sys.argv[1]
+    if sys.argv[2:] == ["resume"]:
+        write_result({"resumed": resume_from_backups(strategy, tmp)})
+        finish()
     results = {}
     for name, mesh_shape, mode in [
         ("llama", (1, workers), "model"),
@@ -266,5 +447,6 @@ if __name__ == "__main__":
         ("gpt2", None, "data"),
     ]:
         results[f"{name}-{mode}"] = train_and_compare(strategy, name, mesh_shape, mode, tmp=tmp)
+    results["uninterrupted"] = stop_with_backups(strategy, tmp)
     write_result(results)
     finish()

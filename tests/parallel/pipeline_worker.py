@@ -2,7 +2,9 @@
 
 Usage: pipeline_worker.py STATE_DIR, on 4 workers: the suite's one launch
 of 4 workers (`_cluster.shared_cluster`), which also runs the 4-worker group
-of tests/parallel/parallel_worker.py (tests/parallel/test_parallel_multiprocess.py).
+of tests/parallel/parallel_worker.py (tests/parallel/test_parallel_multiprocess.py)
+and the KerasHub group of tests/parallel/distribution_worker.py
+(tests/parallel/test_distribution_multiprocess.py).
 Every check runs with one replica per worker:
 
 - exact: each configuration (CONFIGS: stages, micro-batches, schedule,
@@ -331,11 +333,13 @@ def pipeline(state_dir):
 
 
 def main(state_dir):
+    import distribution_worker
     import parallel_worker
 
     write_result(run_groups([
         ("pipeline", lambda: pipeline(state_dir)),
         ("parallel", lambda: parallel_worker.results(strategy)),
+        ("kerashub", lambda: distribution_worker.four_workers(strategy, state_dir)),
     ]))
 
 

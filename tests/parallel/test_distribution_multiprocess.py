@@ -1,26 +1,45 @@
 """keras.distribution on TensorFlow across real worker processes
 (tests/parallel/distribution_worker.py).
 
-One launch of 2 workers: KerasHub's Llama and Gemma built under their own
-`get_layout_map` on a (1, 2) mesh, and GPT-2 under `DataParallel`; each is
-trained on global batches and compared with the same model trained in each
-worker's process alone, then `generate()` runs (inside
-`keras_comm.distribution.gathered`) and `.weights.h5` files go from the split
-model to the plain one and back.
+Two launches of 2 workers. The first: KerasHub's Llama and Gemma built
+under their own `get_layout_map` on a (1, 2) mesh, and GPT-2 under
+`DataParallel`; each is trained on global batches and compared with the
+same model trained in each worker's process alone, then `generate()` runs
+(inside `keras_comm.distribution.gathered`) and `.weights.h5` files go from
+the split model to the plain one and back. It then trains Llama and Gemma
+(layout maps) and GPT-2 (`fully_shard`) uninterrupted, and again stopped
+after a `BackupAndRestore` backup. The second launch (fresh processes)
+resumes each from its backup and must end where the uninterrupted run did.
+
+On 4 workers (a group of the shared launch, tests/parallel/pipeline_worker.py),
+in float64: Llama under its layout map on a (2, 2) mesh and GPT-2 fully
+sharded, each stopped, resumed by a model built anew, and compared with the
+unsplit model trained in one process; the resumed model's file loads into
+the unsplit model here.
 """
 
+import numpy as np
 import pytest
 
 import distribution_worker as W
 from _cluster import run_cluster
+from _cluster import shared_cluster
+from fully_shard_worker import rel
 
 RTOL = 1e-5
+# A resume in a fresh launch against the same launch size's uninterrupted
+# run: the same computation, so equal to float32 round-off of the file's
+# round trip (none: files hold the values bit for bit).
+RESUME_RTOL = 1e-6  # measured: 0.0 (bit for bit)
 
 
 @pytest.mark.multiprocess
 def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
     result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, timeout=900).check()
     for rank, r in enumerate(result.results):
+        r = dict(r)
+        uninterrupted = r.pop("uninterrupted")
+        assert set(uninterrupted) == set(W.RESUME_CASES), uninterrupted.keys()
         print(rank, r)
         for case, out in r.items():
             for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
@@ -35,3 +54,36 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
                 assert out["gathered_whole"] == expected, (rank, case, out)
             else:
                 assert out["split"] == 0, (rank, case, out)
+
+    # Fresh processes resume every case from the first launch's backups.
+    resumed = run_cluster("parallel/distribution_worker.py", 2, tmp_path, "resume", timeout=600).check()
+    for rank, (first, second) in enumerate(zip(result.results, resumed.results, strict=True)):
+        for case in W.RESUME_CASES:
+            got = rel(first["uninterrupted"][case], second["resumed"][case])
+            print("resume", rank, case, got)
+            assert got <= RESUME_RTOL, (rank, case, got)
+
+
+@pytest.mark.multiprocess
+def test_kerashub_float64_resume_on_four_workers():
+    launch = shared_cluster("parallel/pipeline_worker.py", 4, timeout=1200).check()
+    results = [r["kerashub"] for r in launch.results]
+    print("kerashub group seconds:", [r["group_seconds"].get("kerashub") for r in launch.results])
+    chief = results[0]
+    for case, (name, mode, _) in W.FOUR_WORKER_CASES.items():
+        want = chief[case]["one_process"]
+        for rank, r in enumerate(results):
+            out = r[case]
+            got = rel(want, out["weights"])
+            print(case, rank, got, out["seconds"], "s")
+            assert out["dtypes"] == ["float64"], (rank, case, out["dtypes"])
+            assert got <= W.FLOAT64_RTOL[name], (rank, case, got)
+            if mode == "model":
+                assert out["split"] >= 10, (rank, case, out["split"])
+        # The chief's file of the resumed model loads into the unsplit model, in one process.
+        with W.float64():
+            plain = W.MODELS[name](seed=3)
+            plain.load_weights(str(launch.out_dir / f"{case}.weights.h5"))
+            loaded = plain.get_weights()
+        assert all(np.asarray(w).dtype == np.float64 for w in loaded), case
+        assert rel(chief[case]["weights"], loaded) == 0.0, case

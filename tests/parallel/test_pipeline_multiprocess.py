@@ -83,7 +83,8 @@ def _batch_normalization(got, reference):
 
 
 # The suite's one launch of 4 workers (id kept as [4]), shared with
-# test_parallel_multiprocess.py's 4-worker group: the 2-stage cases run on a
+# test_parallel_multiprocess.py's 4-worker group and
+# test_distribution_multiprocess.py's KerasHub group: the 2-stage cases run on a
 # 2 x 2 data x pipeline mesh there (a 2-worker launch of its own cost more
 # CPU than its cases).
 @pytest.mark.multiprocess
