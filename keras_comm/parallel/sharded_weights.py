@@ -332,7 +332,15 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
-    return gather_values([(w, shard_spec(w)) for w in weights], name="full_weights")
+    values = gather_values(
+        [(w, shard_spec(w)) for w in weights if is_sharded(w)], name="full_weights"
+    )
+    if len(values) == len(weights):
+        return values
+    # A plain weight: its first local replica's value (a per-replica
+    # variable's own, not an aggregate).
+    values = iter(values)
+    return [next(values) if is_sharded(w) else np.asarray(components(w)[0].numpy()) for w in weights]
 
 
 # [Note: host-side gathers] `gather_values` (full weights, saving) runs one

@@ -136,10 +136,12 @@ def _interrupted_backup(backup_dir, double_checkpoint=True):
                                                        double_checkpoint=double_checkpoint)])
 
 
-@pytest.fixture(scope="module")
+# Session, not module: the suite runs the longest tests first, interleaving
+# modules, and pytest tears a module fixture down at every change of module.
+@pytest.fixture(scope="session")
 def interrupted_backup(tmp_path_factory):
     """The directory an interrupted fit left (double_checkpoint=True), written
-    once for the tests that damage a copy of it (`copy_of`)."""
+    once per pytest process for the tests that damage a copy of it (`copy_of`)."""
     backup_dir = tmp_path_factory.mktemp("interrupted") / "backup"
     _interrupted_backup(backup_dir)
     return backup_dir
