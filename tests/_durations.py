@@ -28,7 +28,7 @@ SECONDS = {
     "test_fully_shard_kerashub.py::test_in_place_wrapping_keeps_the_models_structure": 1.1,
     "test_checkpoint_multiprocess.py::test_checkpoints_across_workers": 161,
     "test_fully_shard_multiprocess.py::test_kerashub_models_fully_sharded_across_processes": 82,
-    "test_fully_shard_multiprocess.py::test_fully_sharded_fits_and_resumes_across_processes": 75,
+    "test_fully_shard_multiprocess.py::test_fully_sharded_fits_and_resumes_across_processes": 45,
     "test_distribution_multiprocess.py::test_kerashub_models_under_keras_distribution_across_processes": 122,
     "test_benchmarks.py::test_smoke_run_writes_json_markdown_and_plots": 107,
     "test_collectives_multiprocess.py::test_collectives_mirror_virtual_and_non_trainable_state[3]": 206,
