@@ -4,6 +4,8 @@ replicas on logical CPUs). The kill-and-relaunch check across real processes
 is tests/callbacks/test_checkpoint_multiprocess.py.
 """
 
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -134,6 +136,23 @@ def _interrupted_backup(backup_dir, double_checkpoint=True):
                                                        double_checkpoint=double_checkpoint)])
 
 
+# Session, not module: the suite runs the longest tests first, interleaving
+# modules, and pytest tears a module fixture down at every change of module.
+@pytest.fixture(scope="session")
+def interrupted_backup(tmp_path_factory):
+    """The directory an interrupted fit left (double_checkpoint=True), written
+    once per pytest process for the tests that damage a copy of it (`copy_of`)."""
+    backup_dir = tmp_path_factory.mktemp("interrupted") / "backup"
+    _interrupted_backup(backup_dir)
+    return backup_dir
+
+
+def copy_of(backup_dir, tmp_path):
+    copy = tmp_path / "backup"
+    shutil.copytree(backup_dir, copy)
+    return copy
+
+
 def _resume(backup_dir):
     x, y = _data()
     backup = BackupAndRestore(str(backup_dir), save_freq=4, double_checkpoint=True)
@@ -175,9 +194,8 @@ def test_backup_without_double_checkpoint_keeps_one(tmp_path):
         ("ckpt-0-4.weights.h5", {"epoch": 1, "step": 2}, None),
     ],
 )
-def test_backup_survives_each_truncated_file(tmp_path, damaged, expected, warning):
-    backup_dir = tmp_path / "backup"
-    _interrupted_backup(backup_dir)
+def test_backup_survives_each_truncated_file(tmp_path, interrupted_backup, damaged, expected, warning):
+    backup_dir = copy_of(interrupted_backup, tmp_path)
     path = backup_dir / damaged
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     if warning is None:
@@ -187,9 +205,8 @@ def test_backup_survives_each_truncated_file(tmp_path, damaged, expected, warnin
             assert _resume(backup_dir) == expected
 
 
-def test_backup_with_no_intact_file_fails_naming_them(tmp_path):
-    backup_dir = tmp_path / "backup"
-    _interrupted_backup(backup_dir)
+def test_backup_with_no_intact_file_fails_naming_them(tmp_path, interrupted_backup):
+    backup_dir = copy_of(interrupted_backup, tmp_path)
     for name in ("ckpt-1-2.weights.h5", "ckpt-0-4.weights.h5"):
         (backup_dir / name).write_bytes(b"")
     with pytest.raises(ValueError, match=r"no usable backup.*ckpt-1-2.*ckpt-0-4"):

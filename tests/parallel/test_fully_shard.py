@@ -59,8 +59,9 @@ def test_memory_accounting_is_one_over_n_plus_padding():
 # across the optimizers) x 2 and 4 replicas, each case one fit of the MLP,
 # the CNN and the Embedding + MultiHeadAttention + LayerNormalization block
 # side by side (the "three" model), vs the unwrapped model in one process.
-# A case costs ~40 CPU-s on 2 replicas and more on 4 (a fit traces its step
-# once per replica): the 18 cases, over 10 CPU-minutes, do not fit the
+# A case takes ~15 s on 2 replicas and ~50 s on 4 (a fit traces its step
+# once per replica: 41 of a 4-replica fit's 42 s are tracing; the same fit
+# run again takes 1 s): the 18 cases, over 10 minutes, do not fit the
 # suite. It runs SUITE_GRID -- every optimizer, accumulation count and mode
 # once, on both replica counts (what the five single-model fits it replaced
 # covered, and more); the real workers run AdamW.

@@ -103,17 +103,25 @@ def test_fully_sharded_fits_on_four_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_kerashub_models_fully_sharded_across_processes(tmp_path):
+def test_kerashub_models_fully_sharded_across_processes(tmp_path, tmp_path_factory):
     """One launch of 2 workers (tests/parallel/fully_shard_kerashub_worker.py):
     KerasHub's GPT-2, Llama and Gemma causal LMs sharded in place, and GPT-2
     built inside `deferred_weights()`, each trained on global batches vs the
-    same model trained in each worker's process alone; then `generate()`
+    same model trained alone (once, in this process); then `generate()`
     inside `gathered`, `.weights.h5` files both ways, and whole-model `.keras`
     files both ways (the sharded model's loaded by `keras.saving.load_model`
     as a plain model; a plain model's loaded into the sharded one)."""
     import fully_shard_kerashub_worker as hub
 
-    result = run_cluster("parallel/fully_shard_kerashub_worker.py", 2, tmp_path, timeout=900).check()
+    # The models trained alone: once, here (shared with the in-process
+    # tests of this pytest run), not in every worker.
+    refs = hub.reference_dir(tmp_path_factory)
+    for name in hub.MODELS:
+        hub.reference(name, hub.OPTIMIZERS[name], 2, refs)
+        hub.other_model_file(name, refs)
+    result = run_cluster(
+        "parallel/fully_shard_kerashub_worker.py", 2, tmp_path, refs, timeout=900
+    ).check()
     for rank, r in enumerate(result.results):
         print(rank, r)
         assert set(r) == set(hub.MODELS) | {"gpt2-deferred"}, r
