@@ -404,7 +404,7 @@ def test_old_module_name_reexports_the_launcher():
 
 
 def test_run_cluster_check_reports_failure_with_output(tmp_path):
-    result = run_cluster(MISBEHAVE, 2, "--fail-rank", "1", timeout=30)
+    result = run_cluster(MISBEHAVE, 2, "--fail-rank", "1", timeout=30, preload=False)
 
     assert result.returncode == 3
     with pytest.raises(AssertionError, match=r"(?s)launcher exited 3.*rank 1 failing now"):
@@ -412,7 +412,7 @@ def test_run_cluster_check_reports_failure_with_output(tmp_path):
 
 
 def test_run_cluster_timeout_fails_check():
-    result = run_cluster(MISBEHAVE, 2, timeout=1.5)
+    result = run_cluster(MISBEHAVE, 2, timeout=1.5, preload=False)
 
     assert result.returncode == launch.EXIT_TIMEOUT
     with pytest.raises(AssertionError, match=r"(?s)launcher exited 124.*timed out after 1.5 s"):
@@ -431,7 +431,8 @@ def test_write_result_converts_arrays_and_names_the_rank(tmp_path, monkeypatch):
 
 
 def test_tensorflow_all_reduce_over_loopback():
-    result = run_cluster("launcher/tf_all_reduce.py", 2, timeout=120).check()
+    # Workers started as new interpreters, the launcher's default.
+    result = run_cluster("launcher/tf_all_reduce.py", 2, timeout=120, preload=False).check()
 
     want = {"num_replicas": 2, "sum_ones": 2.0, "sum_ids": 3.0}
     # Rank 1 used the coordination service 3 s after the chief's script had
@@ -746,6 +747,9 @@ def test_max_restarts_resumes_fit_to_the_uninterrupted_weights(tmp_path):
     # Rank 1 SIGKILLs itself at global step 18 of 24 on the first attempt;
     # the launcher restarts the job, which resumes from BackupAndRestore
     # (after step 15) and then trains the same model uninterrupted to compare.
+    # The workers are forked from a launcher that preloaded TensorFlow, Keras
+    # and keras_comm (run_cluster's default), so the restart forks again;
+    # test_launch_slurm.py resumes exactly with new interpreters.
     started = time.monotonic()
     result = run_cluster(
         "callbacks/checkpoint_worker.py", 2, tmp_path, "plain",
@@ -914,11 +918,13 @@ def test_two_network_namespaces_as_two_hosts(tmp_path):
             str(g), str(g % 2), str(g // 2))
 
 
-def test_a_tensorflow_worker_stops_promptly_after_its_cleanup(tmp_path):
+@pytest.mark.parametrize("preload", [False, True], ids=["new-interpreters", "preloaded"])
+def test_a_tensorflow_worker_stops_promptly_after_its_cleanup(tmp_path, preload):
     # MWMS's coordination service installs a C-level SIGTERM handler that
     # only records the signal; the launcher's bootstrap still turns the
-    # stop into SystemExit, so `finally` and atexit run, within 2 s.
-    result = run_cluster("launcher/tf_stop.py", 2, timeout=180, out_dir=tmp_path)
+    # stop into SystemExit, so `finally` and atexit run, within 2 s; the
+    # same in workers forked from a launcher that preloaded TensorFlow.
+    result = run_cluster("launcher/tf_stop.py", 2, timeout=180, out_dir=tmp_path, preload=preload)
 
     assert result.returncode == 3, result.tail()
     assert "worker rank 1 failed (exit code 3); stopped the other 1 worker(s)." in result.output
