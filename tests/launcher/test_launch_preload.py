@@ -116,7 +116,7 @@ def test_the_module_form_forks_like_python_m(tmp_path):
     ("raise", 1, "exit code 1"),
     ("sigkill", 128 + signal.SIGKILL, "killed by SIGKILL"),
     ("interrupt", 128 + signal.SIGINT, "killed by SIGINT"),
-])
+], ids=["exit", "exit-message", "raise", "sigkill", "interrupt"])
 def test_a_forked_workers_end_is_reported_like_a_new_interpreters(tmp_path, mode, code, text):
     plain, forked, _ = _both(tmp_path, "-n", "2", "--console-ranks", "all", PARITY, mode)
 
@@ -188,7 +188,7 @@ def test_forked_workers_end_with_the_launcher(tmp_path, signum):
     ("creates_tf_context", "TensorFlow's runtime (its eager context) was created in the launcher"),
     ("numpy,bad name", "`preload` must be None or a collection of module names"),
     (" , ", "--preload must name at least one module"),
-])
+], ids=["missing", "starts-a-thread", "creates-tf-context", "bad-name", "empty"])
 def test_unsafe_or_missing_preload_modules_are_refused_before_any_worker(tmp_path, preload,
                                                                           message):
     proc = subprocess.run(
