@@ -64,7 +64,7 @@ SECONDS = {
     "test_launch.py::test_two_nodes_run_a_tensorflow_all_reduce": 15,
     "test_launch.py::test_tensorflow_all_reduce_over_loopback": 11,
     "test_launch_preload.py::test_unsafe_or_missing_preload_modules_are_refused_before_any_worker[creates-tf-context]": 8.8,
-    "test_launch_preload.py::test_forked_workers_end_with_the_launcher[sigterm]": 6.2,
+    "test_launch.py::test_signal_to_launcher_stops_all_workers[sigterm-preloaded]": 6.2,
     "test_launch_preload.py::test_forked_workers_restart_and_stop_like_new_interpreters": 2.6,
     "test_launch_preload.py::test_a_forked_workers_end_is_reported_like_a_new_interpreters[interrupt]": 2.2,
     "test_launch_preload.py::test_a_forked_workers_end_is_reported_like_a_new_interpreters[sigkill]": 1.5,

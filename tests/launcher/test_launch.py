@@ -230,19 +230,21 @@ def test_worker_exit_code_is_passed_through(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "signum, extra_args",
+    "signum, extra_args, launcher_args",
     [
-        (signal.SIGINT, []),
-        (signal.SIGTERM, []),
-        (signal.SIGHUP, []),
+        (signal.SIGINT, [], []),
+        (signal.SIGTERM, [], []),
+        (signal.SIGHUP, [], []),
         # Workers that ignore the signal are SIGKILLed after the grace period.
-        (signal.SIGINT, ["--ignore-signals"]),
+        (signal.SIGINT, ["--ignore-signals"], []),
+        # Workers forked from a launcher that preloaded a module.
+        (signal.SIGTERM, ["--ignore-signals"], ["--preload", "numpy"]),
     ],
-    ids=["sigint", "sigterm", "sighup", "sigint-ignored-by-workers"],
+    ids=["sigint", "sigterm", "sighup", "sigint-ignored-by-workers", "sigterm-preloaded"],
 )
-def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
+def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args, launcher_args):
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", MISBEHAVE, *extra_args],
+        [*LAUNCHER, *launcher_args, "-n", "2", MISBEHAVE, *extra_args],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -268,9 +270,11 @@ def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_sigkill_of_the_launcher_kills_the_workers(tmp_path):
+@pytest.mark.parametrize("launcher_args", [[], ["--preload", "numpy"]],
+                         ids=["new-interpreters", "preloaded"])
+def test_sigkill_of_the_launcher_kills_the_workers(tmp_path, launcher_args):
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", MISBEHAVE, "--ignore-signals"],
+        [*LAUNCHER, *launcher_args, "-n", "2", MISBEHAVE, "--ignore-signals"],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -371,7 +375,7 @@ def test_help_describes_the_contract():
 
     assert proc.returncode == 0
     for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver",
-                   "LOCAL_RANK", "--nnodes", "--max-restarts", "--log-dir", "P+1+g"]:
+                   "LOCAL_RANK", "--nnodes", "--max-restarts", "--log-dir", "P+1+g", "--preload"]:
         assert needle in proc.stdout
 
 
