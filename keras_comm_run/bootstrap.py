@@ -87,11 +87,13 @@ def _keras_comm_run_bootstrap():
         # Only a worker that joined a cluster has the coordination service.
         # TensorFlow's own module, not keras_comm's tf_api: this bootstrap
         # imports nothing of keras_comm (see the note on BOOTSTRAP).
+        # A worker forked by --preload has TensorFlow imported even if its
+        # script never used it: only an existing context can have joined.
         eager = sys.modules.get("tensorflow.python.eager.context")
         if eager is None:
             return
-        ctx = eager.context()
-        if not ctx.coordination_service:
+        ctx = eager.context_safe() if hasattr(eager, "context_safe") else eager.context()
+        if ctx is None or not ctx.coordination_service:
             return
         seconds = float(os.environ.get("KERAS_COMM_EXIT_WAIT_SECONDS", "3600"))
         try:

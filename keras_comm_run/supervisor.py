@@ -17,6 +17,7 @@ import time
 from keras_comm_run import bootstrap
 from keras_comm_run import cluster
 from keras_comm_run import output
+from keras_comm_run import preload as preloading
 from keras_comm_run.cluster import LaunchError
 from keras_comm_run.rendezvous import rendezvous
 
@@ -64,7 +65,7 @@ def _group_exists(pgid):
     return True
 
 
-def _parent_death_signal():
+def _parent_death_signal(forked=False):
     """A preexec_fn making a worker die with the launcher (Linux), or None.
 
     The launcher forwards SIGINT/SIGTERM/SIGHUP, but nothing can forward a
@@ -72,9 +73,10 @@ def _parent_death_signal():
     ctypes function is looked up here, before fork, so the child only makes
     one foreign call. A preexec_fn can deadlock a child forked while other
     threads hold locks, so it is used only when the caller has no other
-    threads (always true for the command line).
+    threads (always true for the command line). A worker forked by
+    `--preload` runs Python after the fork anyway (`forked=True`).
     """
-    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+    if not sys.platform.startswith("linux") or (threading.active_count() > 1 and not forked):
         return None
     try:
         import ctypes
@@ -97,7 +99,7 @@ def _parent_death_signal():
 class _Job:
     """One attempt: the local worker processes, their output, how to stop them."""
 
-    def __init__(self, command, envs, ranks, view):
+    def __init__(self, command, envs, ranks, view, fork_command=None):
         self.procs = []
         # A worker's process group id is its pid. Once the worker has exited
         # and the last process of its group is gone, the kernel may give that
@@ -110,11 +112,19 @@ class _Job:
         self._stderr = {}
         self.files = []
         self.last_activity = time.monotonic()
-        preexec_fn = _parent_death_signal()
+        preexec_fn = _parent_death_signal(forked=fork_command is not None)
         try:
             # All workers are forked before any reader thread exists, for
-            # the preexec_fn's sake. The pipes buffer output meanwhile.
+            # the preexec_fn's sake (and the preloaded fork's). The pipes
+            # buffer output meanwhile.
             for env in envs:
+                if fork_command is not None:
+                    self.procs.append(preloading.start(
+                        fork_command, env, preexec_fn,
+                        close_fds=[p.fileno() for proc in self.procs
+                                   for p in (proc.stdout, proc.stderr)],
+                    ))
+                    continue
                 self.procs.append(
                     subprocess.Popen(
                         command,
@@ -303,6 +313,11 @@ class _SignalCatcher:
 def python_command(command):
     """The worker argv for `command` (after checking its shape): `command`
     run by this Python under `keras_comm_run.bootstrap`."""
+    return bootstrap.command(sys.executable, script_command(command))
+
+
+def script_command(command):
+    """`command` checked and normalised: `[script, *args]` or `["-m", module, *args]`."""
     if isinstance(command, (str, bytes)) or not command:
         raise LaunchError(
             "`command` must be a non-empty list such as ['script.py', '--x'] "
@@ -318,7 +333,7 @@ def python_command(command):
         raise LaunchError(
             f"`script` must be an existing file. Received: script={command[0]!r}"
         )
-    return bootstrap.command(sys.executable, command)
+    return command
 
 
 # Argument checks (candidates for a shared keras_comm validation module).
@@ -413,6 +428,7 @@ def run(
     console_ranks=None,
     progress="chief",
     gpus_per_worker=None,
+    preload=None,
 ):
     """Runs `num_workers` copies of a Python command as a MWMS cluster.
 
@@ -457,6 +473,11 @@ def run(
         gpus_per_worker: GPUs pinned to each worker with CUDA_VISIBLE_DEVICES,
             consecutive slices of the visible GPUs; None pins one per worker
             when GPUs are visible; 0 disables pinning.
+        preload: None, or module names (e.g. `("tensorflow", "keras",
+            "keras_comm")`) the launcher imports once before starting any
+            worker; each worker (and each restart's) is then forked from the
+            launcher instead of starting a new interpreter, saving every
+            worker that import (see `keras_comm_run.preload`). POSIX only.
 
     Returns:
         0 if every worker exited 0; else the first failed worker's exit code
@@ -465,15 +486,20 @@ def run(
 
     Raises:
         LaunchError (a ValueError): invalid arguments, a refused host, a busy
-            port or a failed rendezvous. No worker has been started when it
+            port, a failed rendezvous, or a `preload` module that cannot be
+            imported or leaves the launcher unsafe to fork. No worker has been started when it
             is raised.
     """
     _check_args(num_workers, timeout, base_port, nnodes, node_rank, master_port,
                 max_restarts, stall_timeout, gpus_per_worker, progress, console_ranks)
+    modules = preloading.check_modules(preload)
     python = python_command(command)
     base_env = dict(os.environ)
     if env:
         base_env.update({str(k): str(v) for k, v in env.items()})
+    if modules:
+        preloading.check_env(base_env, os.environ)
+        preloading.import_modules(modules)
     gpus = cluster.assign_gpus(cluster.visible_gpus(base_env), num_workers, gpus_per_worker)
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
@@ -521,6 +547,7 @@ def run(
         return _supervise_attempts(
             python, base_env, layout, first_rank, num_workers, node_rank, gpus, view,
             catcher, timeout, stall_timeout, max_restarts, picked=nnodes == 1 and not base_port,
+            fork_command=script_command(command) if modules else None,
         )
 
 
@@ -546,7 +573,8 @@ def _wait_for_master_name(master_addr, allow_non_loopback, timeout, interrupted,
 
 
 def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_rank, gpus,
-                        view, catcher, timeout, stall_timeout, max_restarts, picked):
+                        view, catcher, timeout, stall_timeout, max_restarts, picked,
+                        fork_command=None):
     err = view.err
     hidden = [r for r in range(first_rank, first_rank + num_workers)
               if view.console_ranks is not None and r not in view.console_ranks]
@@ -571,7 +599,7 @@ def _supervise_attempts(python, base_env, layout, first_rank, num_workers, node_
             for i, rank in enumerate(ranks)
         ]
         view.attempt = attempt
-        job = _Job(python, envs, ranks, view)
+        job = _Job(python, envs, ranks, view, fork_command)
         try:
             code, message, retry = _supervise(job, catcher, deadline, timeout, stall_timeout)
         finally:

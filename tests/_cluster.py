@@ -18,15 +18,21 @@ write_result({"sum": float(total)})
 ```
 
 The launcher runs with `--timeout`, so a deadlocked collective fails the
-test instead of hanging CI.
+test instead of hanging CI, and with `--preload tensorflow,keras,keras_comm`
+(`PRELOAD`): it imports them once and forks every worker from itself, so a
+launch of N workers pays one import (~7 CPU-s) instead of N. The workers are
+still separate processes, each with its own TensorFlow runtime, strategy
+and gRPC server. `preload=False` starts every worker as a new interpreter,
+the launcher's default (tests/launcher/ checks both ways).
 
 The launcher is started as `python -m keras_comm_run` (what the
 `keras-comm-run` console script runs), not `python -m keras_comm.launch`:
 the latter first imports the keras_comm package, and with it TensorFlow,
 costing every cluster run seconds of CPU and ~600 MB in a process that needs
 neither. keras_comm_run uses only the standard library. This module imports
-neither TensorFlow nor Keras, so worker scripts can import it before
-configuring TensorFlow.
+neither TensorFlow nor Keras; with preloading a worker finds them imported
+already, but TensorFlow's runtime is not started (the launcher refuses to
+fork otherwise), so a worker can still configure devices before first use.
 """
 
 import fcntl
@@ -152,12 +158,17 @@ def free_port_block(size):
     raise AssertionError("no free port block")
 
 
-def launcher_command(script, num_workers, *args, timeout=300, launcher_args=()):
+# The modules the launcher imports once for all its workers (--preload).
+PRELOAD = ("tensorflow", "keras", "keras_comm")
+
+
+def launcher_command(script, num_workers, *args, timeout=300, launcher_args=(), preload=True):
     """The argv `run_cluster` runs: `python -m keras_comm_run ...`."""
     return [
         *LAUNCHER,
         "-n", str(num_workers),
         "--timeout", str(timeout),
+        *(["--preload", ",".join(PRELOAD)] if preload else []),
         # Every rank's output, for the checks and for a failure's report.
         "--console-ranks", "all",
         *[str(a) for a in launcher_args],
@@ -195,7 +206,8 @@ def _stop_launcher(proc):
 before_launch = None
 
 
-def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None, launcher_args=()):
+def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None, launcher_args=(),
+                preload=True):
     """Runs `script` on `num_workers` local worker processes.
 
     Args:
@@ -208,6 +220,9 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None,
         out_dir: directory for the workers' results; kept afterwards. By
             default a fresh temporary directory, removed after reading.
         launcher_args: extra launcher options, e.g. `["--max-restarts", "1"]`.
+        preload: fork the workers from a launcher that imported `PRELOAD`
+            once (True), or start each as a new interpreter (False: for
+            workers that import no TensorFlow, or to test that path).
 
     Returns:
         A ClusterResult. Call `.check()` to assert success.
@@ -224,7 +239,7 @@ def run_cluster(script, num_workers, *args, timeout=300, env=None, out_dir=None,
     else:
         out_dir = Path(tempfile.mkdtemp(prefix="keras_comm_test_"))
     command = launcher_command(
-        script, num_workers, *args, timeout=timeout, launcher_args=launcher_args
+        script, num_workers, *args, timeout=timeout, launcher_args=launcher_args, preload=preload
     )
     try:
         proc = subprocess.Popen(

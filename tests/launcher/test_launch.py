@@ -230,19 +230,21 @@ def test_worker_exit_code_is_passed_through(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "signum, extra_args",
+    "signum, extra_args, launcher_args",
     [
-        (signal.SIGINT, []),
-        (signal.SIGTERM, []),
-        (signal.SIGHUP, []),
+        (signal.SIGINT, [], []),
+        (signal.SIGTERM, [], []),
+        (signal.SIGHUP, [], []),
         # Workers that ignore the signal are SIGKILLed after the grace period.
-        (signal.SIGINT, ["--ignore-signals"]),
+        (signal.SIGINT, ["--ignore-signals"], []),
+        # Workers forked from a launcher that preloaded a module.
+        (signal.SIGTERM, ["--ignore-signals"], ["--preload", "numpy"]),
     ],
-    ids=["sigint", "sigterm", "sighup", "sigint-ignored-by-workers"],
+    ids=["sigint", "sigterm", "sighup", "sigint-ignored-by-workers", "sigterm-preloaded"],
 )
-def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
+def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args, launcher_args):
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", MISBEHAVE, *extra_args],
+        [*LAUNCHER, *launcher_args, "-n", "2", MISBEHAVE, *extra_args],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -268,9 +270,11 @@ def test_signal_to_launcher_stops_all_workers(tmp_path, signum, extra_args):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_sigkill_of_the_launcher_kills_the_workers(tmp_path):
+@pytest.mark.parametrize("launcher_args", [[], ["--preload", "numpy"]],
+                         ids=["new-interpreters", "preloaded"])
+def test_sigkill_of_the_launcher_kills_the_workers(tmp_path, launcher_args):
     proc = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", MISBEHAVE, "--ignore-signals"],
+        [*LAUNCHER, *launcher_args, "-n", "2", MISBEHAVE, "--ignore-signals"],
         env=cluster_env(tmp_path),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -371,7 +375,7 @@ def test_help_describes_the_contract():
 
     assert proc.returncode == 0
     for needle in ["TF_CONFIG", "--allow-non-loopback", "exit status", "SlurmClusterResolver",
-                   "LOCAL_RANK", "--nnodes", "--max-restarts", "--log-dir", "P+1+g"]:
+                   "LOCAL_RANK", "--nnodes", "--max-restarts", "--log-dir", "P+1+g", "--preload"]:
         assert needle in proc.stdout
 
 
@@ -404,7 +408,7 @@ def test_old_module_name_reexports_the_launcher():
 
 
 def test_run_cluster_check_reports_failure_with_output(tmp_path):
-    result = run_cluster(MISBEHAVE, 2, "--fail-rank", "1", timeout=30)
+    result = run_cluster(MISBEHAVE, 2, "--fail-rank", "1", timeout=30, preload=False)
 
     assert result.returncode == 3
     with pytest.raises(AssertionError, match=r"(?s)launcher exited 3.*rank 1 failing now"):
@@ -412,7 +416,7 @@ def test_run_cluster_check_reports_failure_with_output(tmp_path):
 
 
 def test_run_cluster_timeout_fails_check():
-    result = run_cluster(MISBEHAVE, 2, timeout=1.5)
+    result = run_cluster(MISBEHAVE, 2, timeout=1.5, preload=False)
 
     assert result.returncode == launch.EXIT_TIMEOUT
     with pytest.raises(AssertionError, match=r"(?s)launcher exited 124.*timed out after 1.5 s"):
@@ -431,7 +435,8 @@ def test_write_result_converts_arrays_and_names_the_rank(tmp_path, monkeypatch):
 
 
 def test_tensorflow_all_reduce_over_loopback():
-    result = run_cluster("launcher/tf_all_reduce.py", 2, timeout=120).check()
+    # Workers started as new interpreters, the launcher's default.
+    result = run_cluster("launcher/tf_all_reduce.py", 2, timeout=120, preload=False).check()
 
     want = {"num_replicas": 2, "sum_ones": 2.0, "sum_ids": 3.0}
     # Rank 1 used the coordination service 3 s after the chief's script had
@@ -746,6 +751,9 @@ def test_max_restarts_resumes_fit_to_the_uninterrupted_weights(tmp_path):
     # Rank 1 SIGKILLs itself at global step 18 of 24 on the first attempt;
     # the launcher restarts the job, which resumes from BackupAndRestore
     # (after step 15) and then trains the same model uninterrupted to compare.
+    # The workers are forked from a launcher that preloaded TensorFlow, Keras
+    # and keras_comm (run_cluster's default), so the restart forks again;
+    # test_launch_slurm.py resumes exactly with new interpreters.
     started = time.monotonic()
     result = run_cluster(
         "callbacks/checkpoint_worker.py", 2, tmp_path, "plain",
@@ -914,11 +922,13 @@ def test_two_network_namespaces_as_two_hosts(tmp_path):
             str(g), str(g % 2), str(g // 2))
 
 
-def test_a_tensorflow_worker_stops_promptly_after_its_cleanup(tmp_path):
+@pytest.mark.parametrize("preload", [False, True], ids=["new-interpreters", "preloaded"])
+def test_a_tensorflow_worker_stops_promptly_after_its_cleanup(tmp_path, preload):
     # MWMS's coordination service installs a C-level SIGTERM handler that
     # only records the signal; the launcher's bootstrap still turns the
-    # stop into SystemExit, so `finally` and atexit run, within 2 s.
-    result = run_cluster("launcher/tf_stop.py", 2, timeout=180, out_dir=tmp_path)
+    # stop into SystemExit, so `finally` and atexit run, within 2 s; the
+    # same in workers forked from a launcher that preloaded TensorFlow.
+    result = run_cluster("launcher/tf_stop.py", 2, timeout=180, out_dir=tmp_path, preload=preload)
 
     assert result.returncode == 3, result.tail()
     assert "worker rank 1 failed (exit code 3); stopped the other 1 worker(s)." in result.output

@@ -10,8 +10,9 @@ in Python, e.g. an indivisible axis or an int64 it cannot move, while the
 other waits), and a timed-out or mismatched collective aborts TensorFlow's
 collective executor for the whole process. So agreeing inputs are fuzzed in
 this process (checked mode, both eager and tf.function), and each
-disagreeing example runs in a fresh process with a wall-clock bound, in
-checked or unchecked mode.
+disagreeing example runs in a fresh process (forked from a server that
+imported TensorFlow once) with a wall-clock bound, in checked or unchecked
+mode.
 """
 
 import json
@@ -127,48 +128,115 @@ def test_two_replicas_agree_or_fail_cleanly(checked, name, xs, mode):
         np.testing.assert_array_equal(out[r], want, err_msg=f"{name} replica {r}")
 
 
-# One disagreeing call per process (it may abort the executor).
-_SCRIPT = r"""
-import json, os, sys, time
+# One disagreeing call per process (it may abort the executor). A fork
+# server imports TensorFlow, keras_comm and this file once (TensorFlow's
+# runtime not started) and forks a fresh child per example, which starts its
+# own runtime: each example still runs alone in a new process, without paying
+# the ~7 s import each time.
+_SERVER = r"""
+import json, os, sys, time, traceback
 # This file and conftest.py (tests/), as pytest imports them.
 sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
 import numpy as np
 import test_fuzz_replicas as T
-name, mode, checked, specs = json.loads(sys.argv[2])
 import keras_comm
-keras_comm.set_check_calls(checked)
-xs = [T._input(s, d, r) for r, (s, d) in enumerate(specs)]
-start = time.monotonic()
-try:
-    T._call(T.CASES[name][0](), xs, mode)
-    result = {"status": "returned"}
-except Exception as e:
-    result = {"status": "error", "type": type(e).__name__, "message": str(e)[:500],
-              "expected": bool(T._expected_error(e))}
-result["elapsed"] = time.monotonic() - start
-print("RESULT " + json.dumps(result), flush=True)
+from tensorflow.python.eager import context
+
+def example(name, mode, checked, specs):
+    keras_comm.set_check_calls(checked)
+    xs = [T._input(s, d, r) for r, (s, d) in enumerate(specs)]
+    start = time.monotonic()
+    try:
+        T._call(T.CASES[name][0](), xs, mode)
+        result = {"status": "returned"}
+    except Exception as e:
+        result = {"status": "error", "type": type(e).__name__, "message": str(e)[:500],
+                  "expected": bool(T._expected_error(e))}
+    result["elapsed"] = time.monotonic() - start
+    print("RESULT " + json.dumps(result), flush=True)
+
+for line in sys.stdin:
+    request = json.loads(line)
+    # A forked child must start its own TensorFlow runtime, never share ours.
+    ctx = context.context_safe()
+    assert ctx is None or not ctx._initialized, "the fork server initialised TensorFlow"
+    log = request["log"]
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
+            example(*request["example"])
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + request["timeout"]
+    status = None
+    while status is None and time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        status = status if done else None
+        time.sleep(0.01)
+    if status is None:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        code = None
+    else:
+        code = os.waitstatus_to_exitcode(status)
+    print(json.dumps({"returncode": code}), flush=True)
 """
+_EXAMPLE_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def fork_server(tmp_path_factory):
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, here], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    logs = tmp_path_factory.mktemp("fuzz_examples")
+    count = [0]
+
+    def run(example):
+        """Runs `example` in a new forked process: (its output, exit code or None if hung)."""
+        count[0] += 1
+        log = logs / f"example{count[0]}.log"
+        server.stdin.write(json.dumps({"example": example, "log": str(log),
+                                       "timeout": _EXAMPLE_TIMEOUT}) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        if not reply:
+            server.kill()
+            pytest.fail("the fork server died: " + server.communicate()[1][-3000:])
+        output = log.read_text(errors="replace") if log.exists() else ""
+        return output, json.loads(reply)["returncode"]
+
+    yield run
+    server.stdin.close()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(xs=replica_inputs().filter(lambda xs: not _agree(xs)),
        mode=st.sampled_from(["eager", "function"]), checked=st.booleans())
-def test_disagreement_errors_in_a_fresh_process(name, xs, mode, checked):
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo = os.path.dirname(os.path.dirname(here))
+def test_disagreement_errors_in_a_fresh_process(fork_server, name, xs, mode, checked):
     specs = [[list(x.shape), str(x.dtype)] for x in xs]
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _SCRIPT, here,
-             json.dumps([name, mode, checked, specs])],
-            capture_output=True, text=True, env=env, timeout=120,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} {mode} checked={checked} on {specs} hung (no result in 120 s)")
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    output, returncode = fork_server([name, mode, checked, specs])
+    if returncode is None:
+        pytest.fail(f"{name} {mode} checked={checked} on {specs} hung "
+                    f"(no result in {_EXAMPLE_TIMEOUT} s)")
+    lines = [l for l in output.splitlines() if l.startswith("RESULT ")]
+    assert lines, output[-5000:]
     result = json.loads(lines[-1][len("RESULT "):])
     if result["status"] == "returned" and not any(x.size for x in xs):
         # Nothing to move: no collective is launched for empty inputs (TF's
