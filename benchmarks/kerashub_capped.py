@@ -49,12 +49,15 @@ from pathlib import Path
 MIB = 2**20
 FLOAT32 = 4
 
-#: name -> LlamaBackbone arguments. ``llama47m``: 47.2M parameters (189 MiB
-#: of float32 weights; with gradients and Adam's two slots 755 MiB); every
-#: dimension the layout map splits divides by 4. ``llama2m``: the test's.
+#: name -> LlamaBackbone arguments; every dimension the layout map splits
+#: divides by 4. ``llama48m``: 48.2M parameters (184 MiB of float32 weights;
+#: with gradients and Adam's two slots 736 MiB), the benchmark's.
+#: ``llama12m`` (12.8M) and ``llama3m`` (3.4M): quicker runs.
 CONFIGS = {
-    "llama47m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=8,
+    "llama48m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=8,
                      num_key_value_heads=4, hidden_dim=512, intermediate_dim=2048),
+    "llama12m": dict(vocabulary_size=8192, num_layers=4, num_query_heads=8,
+                     num_key_value_heads=4, hidden_dim=384, intermediate_dim=1024),
     "llama3m": dict(vocabulary_size=4096, num_layers=2, num_query_heads=4,
                     num_key_value_heads=4, hidden_dim=256, intermediate_dim=512),
 }
@@ -304,7 +307,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--phase", choices=PHASES, default="first")
-    parser.add_argument("--model", choices=sorted(CONFIGS), default="llama47m")
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="llama48m")
     parser.add_argument("--mesh", default=None, help="layout mode's mesh, 'BATCH,MODEL'")
     parser.add_argument("--cap-mib", type=float, help="cap on each worker's RSS")
     parser.add_argument("--budget-mib", type=float,
@@ -337,35 +340,48 @@ def main(argv=None):
     return 0
 
 
+COLUMNS = ["mode", "result", "peak RSS per rank (MiB)", "peak above the baseline (MiB)",
+           "ideal (MiB)", "ratio", "stored per rank (MiB)", "median step (s)",
+           "resumed vs uninterrupted (max rel.)"]
+
+
 def table(directory):
-    """Rows ``[mode, result, peak per rank, peak above baseline, ideal, ratio,
-    resume]`` from the rank files in `directory`."""
-    rows = []
+    """The docs/results table of the rank files in `directory`: a dict with
+    ``columns`` (`COLUMNS`), ``rows`` and ``cap_mib``. A mode's peak above
+    the baseline is its largest rank's over both phases."""
+    rows, caps = [], set()
     for mode in MODES:
-        first = sorted(glob.glob(os.path.join(directory, f"{mode}.first.rank*.json")))
-        if not first:
+        files = sorted(glob.glob(os.path.join(directory, f"{mode}.first.rank*.json")))
+        if not files:
             continue
-        capped = [json.loads(Path(p).read_text()) for p in first if p.endswith(".capped.json")]
-        done = [json.loads(Path(p).read_text()) for p in first if not p.endswith(".capped.json")]
+        first = [json.loads(Path(p).read_text()) for p in files]
+        caps |= {r["cap_mib"] for r in first}
+        capped = sorted((r for r in first if "stopped_at_rss_mib" in r), key=lambda r: r["rank"])
         if capped:
-            rows.append([mode, "stopped by the cap",
-                         " / ".join(f"> {c['stopped_at_rss_mib']:.0f} (rank {c['rank']})"
-                                    for c in sorted(capped, key=lambda c: c["rank"])),
-                         None, None, None, None])
+            rows.append([mode, f"stopped by the cap ({capped[0]['cap_mib']:.0f} MiB)",
+                         " / ".join(f"rank {c['rank']}: > {c['cap_mib']:.0f}" for c in capped),
+                         "–", "–", "–", "–", "–", "–"])
             continue
         resumed = [json.loads(Path(p).read_text())
-                   for p in glob.glob(os.path.join(directory, f"{mode}.resume.rank*.json"))
-                   if not p.endswith(".capped.json")]
-        done.sort(key=lambda r: r["rank"])
-        worst = max(r["peak_above_baseline_mib"] for r in done + resumed)
-        want = done[0]["ideal_mib"]["total"]
+                   for p in glob.glob(os.path.join(directory, f"{mode}.resume.rank*.json"))]
+        stopped = [r for r in resumed if "stopped_at_rss_mib" in r]
+        resumed = [r for r in resumed if "stopped_at_rss_mib" not in r]
+        first.sort(key=lambda r: r["rank"])
+        worst = max(r["peak_above_baseline_mib"] for r in first + resumed)
+        want = first[0]["ideal_mib"]["total"]
+        result = "trained 2 epochs, saved"
+        if resumed and not stopped:
+            result += ", resumed from its epoch-1 backup"
+        elif stopped:
+            result += "; the resume was stopped by the cap"
+        rel = max((r["resumed_vs_uninterrupted_rel"] for r in resumed), default=None)
         rows.append([
-            mode, "trained, saved" + (", resumed" if resumed else ""),
-            " / ".join(f"{r['peak_mib']:.0f}" for r in done),
-            round(worst), round(want), round(worst / want, 2),
-            max((r["resumed_vs_uninterrupted_rel"] for r in resumed), default=None),
+            mode, result, " / ".join(f"{r['peak_mib']:.0f}" for r in first),
+            f"{worst:.0f}", f"{want:.0f}", f"{worst / want:.1f}",
+            f"{first[0]['stored_mib']:.0f}", f"{first[0]['median_step_s']:.1f}",
+            "–" if rel is None else f"{rel:.1e}",
         ])
-    return rows
+    return {"columns": COLUMNS, "rows": rows, "cap_mib": sorted(caps)}
 
 
 if __name__ == "__main__":
