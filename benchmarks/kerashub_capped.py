@@ -27,14 +27,16 @@ Every worker runs under a cap on its resident memory (`benchmarks.fsdp_capped`:
 a watchdog reading /proc/self/statm, exit 137 once exceeded) and writes
 ``DIR/MODE.PHASE.rankR.json`` with its peak RSS per phase, the state it
 stores and the ideal (`ideal`), or ``DIR/MODE.PHASE.rankR.capped.json`` when
-the cap stopped it. The benchmark's runs (4 workers, under the CPU lock):
+the cap stopped it (``--budget-mib`` instead caps each worker's growth
+above its RSS before the model is built). The benchmark's runs (4 workers,
+one at a time):
 
-    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --mode MODE --phase first --cap-mib 1400 --dir DIR
-    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --mode MODE --phase resume --cap-mib 1400 --dir DIR
+    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama48m --mode MODE --phase first --cap-mib 2400 --dir DIR
+    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama48m --mode MODE --phase resume --cap-mib 2400 --dir DIR
 
-with MODE plain, layout and fully_shard (``plain`` stops in ``first``).
-``python -m benchmarks.kerashub_capped --table DIR`` prints the results
-table from the rank files (docs/results/kerashub_cap_llama.json).
+with MODE plain, layout and fully_shard. ``python -m
+benchmarks.kerashub_capped --table DIR`` prints the results table from the
+rank files (docs/results/kerashub_cap_llama48m.json holds the measured one).
 """
 
 import argparse
@@ -50,12 +52,12 @@ MIB = 2**20
 FLOAT32 = 4
 
 #: name -> LlamaBackbone arguments; every dimension the layout map splits
-#: divides by 4. ``llama111m``: 111.3M parameters, 90% of them in the
-#: vocabulary-sized embedding and output projection (a large vocabulary is
-#: what makes small Llamas heavy; here it keeps the step cheap), 1.66 GiB
-#: for float32 weights, gradients and Adam's two slots whole: the
-#: benchmark's. ``llama48m`` (48.2M, 8 blocks; 736 MiB of such state),
-#: ``llama12m`` (12.8M) and ``llama3m`` (3.4M): smaller runs.
+#: divides by 4. ``llama48m``: 48.2M parameters, 8 blocks (184 MiB of
+#: float32 weights; with gradients and Adam's two slots 736 MiB): the
+#: benchmark's. ``llama111m``: 111.3M parameters, 90% of them in the
+#: vocabulary-sized embedding and output projection (1.66 GiB of such
+#: state, a cheap step). ``llama12m`` (12.8M) and ``llama3m`` (3.4M):
+#: quicker runs.
 CONFIGS = {
     "llama111m": dict(vocabulary_size=65536, num_layers=2, num_query_heads=8,
                       num_key_value_heads=4, hidden_dim=768, intermediate_dim=1536),
@@ -314,7 +316,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--phase", choices=PHASES, default="first")
-    parser.add_argument("--model", choices=sorted(CONFIGS), default="llama111m")
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="llama48m")
     parser.add_argument("--mesh", default=None, help="layout mode's mesh, 'BATCH,MODEL'")
     parser.add_argument("--cap-mib", type=float, help="cap on each worker's RSS")
     parser.add_argument("--budget-mib", type=float,
