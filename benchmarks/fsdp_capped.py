@@ -46,6 +46,22 @@ def install_cap(cap_bytes, on_exceeded, period=0.005):
     return thread
 
 
+def install_exit_cap(cap_mib, record_path, record):
+    """Caps this process's resident memory at `cap_mib`: once exceeded, writes
+    ``record`` (plus the cap and the RSS reached) to `record_path` as JSON,
+    says so on stdout and ends the process with exit code 137."""
+
+    def stop(rss):
+        Path(record_path).write_text(json.dumps(
+            {**record, "cap_mib": cap_mib, "stopped_at_rss_mib": rss / 2**20}))
+        what = " ".join(str(v) for k, v in record.items() if k != "rank")
+        print(f"[capped] rank {record.get('rank')}: {what} exceeded the cap "
+              f"({rss / 2**20:.0f} MiB > {cap_mib:.0f} MiB): stopped", flush=True)
+        os._exit(137)
+
+    return install_cap(int(cap_mib * 2**20), stop)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap-mib", type=float, required=True)
@@ -57,17 +73,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     rank = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
-    cap = int(args.cap_mib * 2**20)
-
-    def stop(rss):
-        path = Path(f"{args.out}.rank{rank}.capped.json")
-        path.write_text(json.dumps({"rank": rank, "config": args.config, "model": args.model,
-                                    "cap_mib": args.cap_mib, "stopped_at_rss_mib": rss / 2**20}))
-        print(f"[capped] rank {rank}: {args.config} {args.model} exceeded the cap "
-              f"({rss / 2**20:.0f} MiB > {args.cap_mib:.0f} MiB): stopped", flush=True)
-        os._exit(137)
-
-    install_cap(cap, stop)
+    install_exit_cap(args.cap_mib, f"{args.out}.rank{rank}.capped.json",
+                     {"rank": rank, "config": args.config, "model": args.model})
     from benchmarks import memory
 
     result = memory.measure(args.config, args.model, args.steps, args.per_replica_batch)
