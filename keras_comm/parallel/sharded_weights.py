@@ -332,6 +332,10 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
+    if not any(is_sharded(w) for w in weights) or strategy_of(weights).num_replicas_in_sync == 1:
+        # Each weight's own host value: a weight split by a
+        # `keras.distribution` layout reads as its full value this way.
+        return [np.asarray(w.numpy()) for w in weights]
     values = gather_values(
         [(w, shard_spec(w)) for w in weights if is_sharded(w)], name="full_weights"
     )
