@@ -43,8 +43,6 @@ and the others to a path of their own. Per-replica access in one process:
 """
 
 import dataclasses
-import math
-import weakref
 import zlib
 
 import keras
@@ -332,99 +330,19 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
-    if not any(is_sharded(w) for w in weights) or strategy_of(weights).num_replicas_in_sync == 1:
-        # Each weight's own host value: a weight split by a
-        # `keras.distribution` layout reads as its full value this way.
+    strategy = strategy_of(weights)
+    if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
         return [np.asarray(w.numpy()) for w in weights]
-    values = gather_values(
-        [(w, shard_spec(w)) for w in weights if is_sharded(w)], name="full_weights"
-    )
-    if len(values) == len(weights):
-        return values
-    # A plain weight: its first local replica's value (a per-replica
-    # variable's own, not an aggregate).
-    values = iter(values)
-    return [next(values) if is_sharded(w) else np.asarray(components(w)[0].numpy()) for w in weights]
 
+    def replica_fn():
+        return [
+            gather_full(w, name="full_weights") if is_sharded(w) else tf.identity(_tf_variable(w))
+            for w in weights
+        ]
 
-# [Note: host-side gathers] `gather_values` (full weights, saving) runs one
-# all-gather per dtype and shard grouping, however many variables it is
-# given: each replica flattens its shards (split axis first) into one vector,
-# the vectors are gathered, and the host cuts every full value out of the
-# result (pure data movement, so exact). The traced gather takes that vector
-# as its argument, so a trace serves every later call whose vector has the
-# same length (the layers of a transformer's blocks, a layer saved after its
-# `full_weights`); autograph is off, since converting the collectives'
-# Python costs far more than gathering a small model.
-_HOST_GATHERS = weakref.WeakKeyDictionary()  # strategy -> {(grouping, name): tf.function}
-
-
-def _host_gather_fn(strategy, grouping, spec, name):
-    functions = _HOST_GATHERS.setdefault(strategy, {})
-    fn = functions.get((grouping, name))
-    if fn is None:
-        # Not the strategy itself: the cache must not keep it alive.
-        strategy_ref = weakref.ref(strategy)
-
-        def replica_fn(flat):
-            return _collectives.gather_along(flat, 0, spec.model_group(), name=name)
-
-        fn = tf.function(
-            lambda flat: strategy_ref().run(replica_fn, args=(flat,)), autograph=False
-        )
-        functions[(grouping, name)] = fn
-    return fn
-
-
-def _axis_first(shape, axis):
-    shape = tuple(shape)
-    return (shape[axis],) + shape[:axis] + shape[axis + 1:]
-
-
-def gather_values(pairs, name="gather_values"):
-    """Host side: ``[numpy value]`` per ``(variable, spec or None)`` pair.
-
-    A variable with a spec of more than one shard gives its shards gathered
-    over its model group along `spec.shard_axis` (flat shards: the padded
-    flat vector); any other gives its (first local) value. A collective over
-    every replica when any variable is split: all workers must call it with
-    the same variables, in the same order.
-    """
-    strategy = strategy_of([v for v, _ in pairs])
-    out = [None] * len(pairs)
-    buckets = {}
     with strategy.scope():
-        for i, (v, spec) in enumerate(pairs):
-            if spec is None or spec.num_shards == 1 or strategy.num_replicas_in_sync == 1:
-                out[i] = np.asarray(v.numpy())
-                continue
-            grouping = tuple(g.ranks for g in spec.runtime_mesh().groups(spec.mesh_axis))
-            buckets.setdefault((grouping, _tf_variable(v).dtype), []).append(i)
-        for (grouping, _), members in buckets.items():
-            comps = [components(pairs[i][0]) for i in members]
-            axes = [pairs[i][1].shard_axis for i in members]
-            flats = []
-            for r in range(len(comps[0])):
-                with tf.device(comps[0][r].device):
-                    flats.append(tf.concat([
-                        tf.reshape(tf.experimental.numpy.moveaxis(c[r], axis, 0), [-1])
-                        for c, axis in zip(comps, axes)
-                    ], 0))
-            fn = _host_gather_fn(strategy, grouping, pairs[members[0]][1], name)
-            gathered = fn(tf_api.per_replica(flats))
-            gathered = np.asarray(strategy.experimental_local_results(gathered)[0])
-            # Rows: the group's members in order; each row holds every
-            # variable's flattened shard.
-            gathered = gathered.reshape(len(grouping[0]), -1)
-            start = 0
-            for c, axis, i in zip(comps, axes, members):
-                moved = _axis_first(c[0].shape, axis)
-                size = math.prod(moved)
-                piece = gathered[:, start:start + size]
-                start += size
-                piece = piece.reshape((gathered.shape[0] * moved[0],) + moved[1:])
-                out[i] = np.moveaxis(piece, 0, axis)
-    return out
+        out = tf.function(lambda: strategy.run(replica_fn))()
+    return [np.asarray(strategy.experimental_local_results(o)[0]) for o in out]
 
 
 def set_full_weights(model_or_layer, values):
