@@ -7,6 +7,7 @@ Multi-process tests live beside them and use `tests/_cluster.py`.
 """
 
 import os
+import resource
 import sys
 
 import _cluster
@@ -211,7 +212,10 @@ def _is_collective_abort(exc):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     global _aborted_by
-    yield
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "_cpu_start"):
+        spent = _cpu_seconds() - item._cpu_start
+        outcome.get_result().user_properties.append(("cpu_seconds", spent))
     if _aborted_by is None and call.excinfo is not None and _is_collective_abort(call.excinfo.value):
         _aborted_by = item.nodeid
 
@@ -226,6 +230,7 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    item._cpu_start = _cpu_seconds()
     yield
     # `workerinput` marks a pytest-xdist worker process (not the environment
     # variable, which a pytest session started by a test inherits).
@@ -236,3 +241,38 @@ def pytest_runtest_protocol(item, nextitem):
         )
         sys.stderr.flush()
         os._exit(3)
+
+
+# --- CPU seconds per test ----------------------------------------------------
+#
+# Wall time hides what a test costs the 2-core machine: a launch of four
+# workers can take little wall time and much CPU, which the other xdist
+# worker then waits for. Each test's CPU seconds (this process and every
+# child it waited for: launchers, workers, subprocesses) travel with its
+# teardown report, and the run ends with the costliest, next to the total.
+_CPU_SUMMARY_LINES = 15
+
+
+def _cpu_seconds():
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_terminal_summary(terminalreporter):
+    spent = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) == "teardown":
+                for key, value in getattr(report, "user_properties", ()):
+                    if key == "cpu_seconds":
+                        spent[report.nodeid] = value
+    if not spent:
+        return
+    terminalreporter.write_sep("=", f"{_CPU_SUMMARY_LINES} most CPU-costly tests")
+    for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:_CPU_SUMMARY_LINES]:
+        terminalreporter.write_line(f"{seconds:8.1f} CPU-s  {nodeid}")
+    terminalreporter.write_line(
+        f"{sum(spent.values()):8.1f} CPU-s in all, {len(spent)} tests "
+        "(each test's process and the children it waited for)"
+    )
