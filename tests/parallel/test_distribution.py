@@ -92,7 +92,7 @@ def test_kerashub_layout_maps_equal_one_process(name):
     # its output projection (gathered on use).
     assert out["gathered_whole"] == W.EXPECTED_WHOLE[name], out
     for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
-        assert out[key] <= RTOL, (key, out)
+        assert out[key] <= W.bound(key), (key, out)
     assert out["generate_equal"], out
 
 

@@ -26,7 +26,6 @@ from _cluster import run_cluster
 from _cluster import shared_cluster
 from fully_shard_worker import rel
 
-RTOL = 1e-5
 # A resume in a fresh launch against the same launch size's uninterrupted
 # run: the same computation, so equal to float32 round-off of the file's
 # round trip (none: files hold the values bit for bit).
@@ -43,7 +42,7 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
         print(rank, r)
         for case, out in r.items():
             for key in ("initial", "loss", "weights", "predict", "saved_to_plain", "plain_to_split"):
-                assert out[key] <= RTOL, (rank, case, key, out)
+                assert out[key] <= W.bound(key), (rank, case, key, out)
             assert out["generate_equal"], (rank, case, out)
             if case.endswith("-model"):
                 assert out["split"] >= 10 and out["blocks_stored"], (rank, case, out)
