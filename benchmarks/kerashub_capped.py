@@ -59,6 +59,8 @@ FLOAT32 = 4
 #: state, a cheap step). ``llama12m`` (12.8M) and ``llama3m`` (3.4M):
 #: quicker runs.
 CONFIGS = {
+    "llama160m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=16,
+                      num_key_value_heads=8, hidden_dim=1024, intermediate_dim=4096),
     "llama111m": dict(vocabulary_size=65536, num_layers=2, num_query_heads=8,
                       num_key_value_heads=4, hidden_dim=768, intermediate_dim=1536),
     "llama48m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=8,
