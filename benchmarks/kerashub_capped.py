@@ -57,7 +57,8 @@ FLOAT32 = 4
 #: benchmark's. ``llama111m``: 111.3M parameters, 90% of them in the
 #: vocabulary-sized embedding and output projection (1.66 GiB of such
 #: state, a cheap step). ``llama12m`` (12.8M) and ``llama3m`` (3.4M):
-#: quicker runs.
+#: quicker runs. ``llama160m``: 159.4M parameters, 8 blocks of hidden size
+#: 1024 (2432 MiB of weights, gradients and Adam's slots unsharded).
 CONFIGS = {
     "llama160m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=16,
                       num_key_value_heads=8, hidden_dim=1024, intermediate_dim=4096),

@@ -17,7 +17,7 @@ from conftest import make_strategy
 from keras_comm.distribution import _blocks
 import distribution_worker as W
 
-RTOL = 1e-5
+RTOL = W.RTOL
 
 
 # --- Blocks (pure) ----------------------------------------------------------------
