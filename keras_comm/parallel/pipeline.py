@@ -35,6 +35,19 @@ from keras_comm.parallel.pipeline_stage import PipelineStage  # noqa: F401  (its
 from keras_comm.variables import annotations
 
 
+def _keep_unallocated(stages):
+    """Keeps the stage layers' own variables without storage for good.
+
+    Variables created in a `keras.StatelessScope` are queued for allocation
+    when the next outermost stateless scope closes -- the first traced step
+    opens one -- which gave every replica every stage's weights (the whole
+    model) next to its stage buffer. The buffer holds the values; the
+    stages' variables only describe shapes and initializers.
+    """
+    for stage in stages:
+        keras_api.keep_uninitialized(stage.variables)
+
+
 # ---------------------------------------------------------------------------
 # Pipeline: p stages, each replica holding only its own stage's weights.
 # ---------------------------------------------------------------------------
@@ -151,6 +164,7 @@ class Pipeline(StageBuffer, _common.ParallelLayer):
                 raise TypeError(
                     f"`stages[{i}]` must be a Keras layer or model. Received: stages[{i}]={s!r}"
                 )
+        _keep_unallocated(stages)
         self.num_micro_batches = _validation.positive_int(num_micro_batches, "num_micro_batches")
         self.schedule = schedules.check_schedule(schedule)
         static = self.static_group_size()
@@ -214,6 +228,7 @@ class Pipeline(StageBuffer, _common.ParallelLayer):
                 spec = self._output_spec(s, stage, shape, dtypes[-1] if dtypes else self.input_dtype)
                 shapes.append(tuple(spec.shape))
                 dtypes.append(spec.dtype)
+        _keep_unallocated(self._holder.items)
         for s, shape in enumerate(shapes[1:-1], start=1):
             if any(d is None for d in shape[1:]):
                 raise ValueError(

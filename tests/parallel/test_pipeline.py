@@ -17,6 +17,7 @@ from _pipeline_cases import bn_unsplit
 from _pipeline_cases import data_group_steps
 from _pipeline_cases import micro_batch_steps
 from conftest import make_strategy
+from keras_comm._private import keras_api
 from keras_comm.callbacks import ParallelOptimizer
 from keras_comm.parallel import ColumnParallelDense
 from keras_comm.parallel import Mesh
@@ -133,6 +134,25 @@ def test_each_replica_holds_only_its_stage():
         flat = np.concatenate([np.ravel(v) for v in values[2 * s : 2 * s + 2]])  # kernel, bias
         np.testing.assert_array_equal(comps[s][: flat.size], flat)
         assert not comps[s][flat.size :].any()
+
+
+def test_the_stage_layers_never_allocate_their_own_weights():
+    # The buffer holds the stage values; the stage layers' variables stay
+    # shape-only through build, fit, predict and full_weights. (Keras
+    # allocates variables made in a StatelessScope when the next outermost
+    # one closes -- the first traced step opens one -- which gave every
+    # replica the whole model besides its buffer.)
+    p = 2
+    strategy = make_strategy(p)
+    model, _ = _models(p, 2, "1f1b", strategy)
+    x, y = _data(8, WIDTHS[p - 1])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.predict(x, batch_size=8, verbose=0)
+    full_weights(model)
+    stage_vars = [v for stage in model.layers[1].stage_layers() for v in stage.variables]
+    assert stage_vars
+    allocated = [v.path for v in stage_vars if not keras_api.is_uninitialized(v)]
+    assert allocated == [], allocated
 
 
 # Pipeline x data parallel (a stage's gradient reduced over its data group
@@ -261,7 +281,6 @@ def _same_h5(a, b):
 
 def _held(variable):
     """Elements `variable`'s buffer holds now (0 once released)."""
-    from keras_comm._private import keras_api
 
     v = keras_api.tf_variable(variable) if not isinstance(variable, tf.Variable) else variable
     return int(tf.size(v.read_value()))
