@@ -365,11 +365,11 @@ def _plain_value(weight):
 # every rank), so a `ShardSpec` split over one mesh axis and a Pipeline's
 # `StageBufferSpec` (the pipeline and tensor-parallel axes together) never
 # share a gather, and every worker forms the same buckets in the same order.
-# The traced gather takes that vector as its argument, so a trace serves
-# every later call whose vector has the same length (the layers of a
-# transformer's blocks, a layer saved after its `full_weights`); autograph
-# is off, since converting the collectives' Python costs far more than
-# gathering a small model.
+# The traced gather takes that vector as its argument and relaxes its
+# length after the second one (`reduce_retracing`), so a few traces per
+# dtype and grouping serve every layer and every later call (a layer saved
+# after its `full_weights`); autograph is off, since converting the
+# collectives' Python costs far more than gathering a small model.
 _HOST_GATHERS = weakref.WeakKeyDictionary()  # strategy -> {(grouping, name): tf.function}
 
 
