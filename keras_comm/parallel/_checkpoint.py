@@ -32,18 +32,13 @@ An optimizer whose slots live elsewhere (`ParallelOptimizer` keeps them as
 hands it ``assign(variable, full_value)``. The file is the same.
 """
 
-import weakref
-
 import numpy as np
 import tensorflow as tf
 
 from keras_comm._private import keras_api
-from keras_comm.parallel import _collectives
 from keras_comm.parallel import sharded_weights
 from keras_comm.variables import annotations
 
-# Per owner (layer or optimizer): (variables' ids, compiled gather function).
-_GATHERS = weakref.WeakKeyDictionary()
 _ORIGINALS_ATTR = "_keras_comm_checkpoint_originals"
 register_external_slots = annotations.register_external_slots
 
@@ -55,47 +50,16 @@ def _external_flags(optimizer):
     return store, [store.owns(v) for v in optimizer.variables]
 
 
-def _needs_gather(pairs, strategy):
-    return strategy.num_replicas_in_sync > 1 and any(
-        spec is not None and spec.num_shards > 1 for _, spec in pairs
-    )
-
-
-def _gather(owner, pairs):
+def _gather(pairs):
     """Full numpy values of `pairs` ``[(variable, spec or None)]``.
 
     A collective over every replica when any variable is split: all workers
-    must call it with the same variables, in the same order.
+    must call it with the same variables, in the same order. One all-gather
+    per dtype and shard grouping serves all of them (see
+    `sharded_weights.gather_values`).
     """
-    strategy = sharded_weights.strategy_of([v for v, _ in pairs])
-    if not _needs_gather(pairs, strategy):
-        return [_to_full(s, v.numpy()) for v, s in pairs]
-    sharded_pairs = [(v, s) for v, s in pairs if s is not None and s.num_shards > 1]
-    key = tuple(id(keras_api.tf_variable(v)) for v, _ in sharded_pairs)
-    cached = _GATHERS.get(owner)
-    if cached is None or cached[0] != key:
-
-        def replica_fn():
-            return [
-                _collectives.gather_along(
-                    tf.convert_to_tensor(keras_api.tf_variable(v)),
-                    s.shard_axis,
-                    s.model_group(),
-                    name="checkpoint_gather",
-                )
-                for v, s in sharded_pairs
-            ]
-
-        fn = tf.function(lambda: strategy.run(replica_fn))
-        _GATHERS[owner] = cached = (key, fn)
-    with strategy.scope():
-        gathered = iter(
-            np.asarray(strategy.experimental_local_results(t)[0]) for t in cached[1]()
-        )
-    return [
-        _to_full(s, next(gathered)) if s is not None and s.num_shards > 1 else _to_full(s, v.numpy())
-        for v, s in pairs
-    ]
+    values = sharded_weights.gather_values(pairs, name="checkpoint_gather")
+    return [_to_full(s, v) for (_, s), v in zip(pairs, values)]
 
 
 def _to_full(spec, value):
@@ -142,7 +106,7 @@ def save_layer(layer, store):
     """`Layer.save_own_variables` for layers with sharded weights."""
     variables = _layer_variables(layer)
     pairs = [(v, sharded_weights.shard_spec(v)) for v in variables]
-    for i, value in enumerate(_gather(layer, pairs)):
+    for i, value in enumerate(_gather(pairs)):
         store[str(i)] = value
 
 
@@ -193,7 +157,7 @@ def _save_optimizer(self, store):
     if not any(specs) and not any(owned):
         return _original("save_own_variables")(self, store)
     pairs = [(v, spec) for v, spec, own in zip(self.variables, specs, owned) if not own]
-    values = iter(_gather(self, pairs))
+    values = iter(_gather(pairs))
     for i, (v, own) in enumerate(zip(self.variables, owned)):
         # An external value is gathered and written one variable at a time.
         store[str(i)] = external.value(v) if own else next(values)

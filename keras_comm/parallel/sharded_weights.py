@@ -43,6 +43,8 @@ and the others to a path of their own. Per-replica access in one process:
 """
 
 import dataclasses
+import math
+import weakref
 import zlib
 
 import keras
@@ -330,19 +332,136 @@ def full_weights(model_or_layer):
 
 def full_weights_of(weights):
     """`full_weights` of a list of weights (no composite among them)."""
-    strategy = strategy_of(weights)
-    if not any(is_sharded(w) for w in weights) or strategy.num_replicas_in_sync == 1:
+    if not any(is_sharded(w) for w in weights) or strategy_of(weights).num_replicas_in_sync == 1:
+        # Each weight's own host value: a weight split by a
+        # `keras.distribution` layout reads as its full value this way.
         return [np.asarray(w.numpy()) for w in weights]
+    values = iter(gather_values(
+        [(w, shard_spec(w)) for w in weights if is_sharded(w)], name="full_weights"
+    ))
+    return [next(values) if is_sharded(w) else _plain_value(w) for w in weights]
 
-    def replica_fn():
-        return [
-            gather_full(w, name="full_weights") if is_sharded(w) else tf.identity(_tf_variable(w))
-            for w in weights
-        ]
 
+def _plain_value(weight):
+    """Host side: a plain weight's value beside sharded ones.
+
+    A weight stored smaller than its shape (split by a `keras.distribution`
+    layout: its components are blocks) reads as its full value, `numpy()`;
+    any other as its first local replica's value (a per-replica variable's
+    own, not an aggregate).
+    """
+    first = components(weight)[0]
+    if tuple(first.shape) != tuple(weight.shape):
+        return np.asarray(weight.numpy())
+    return np.asarray(first.numpy())
+
+
+# [Note: host-side gathers] `gather_values` (full weights, saving) runs one
+# all-gather per dtype and shard grouping, however many variables it is
+# given: each replica flattens its shards (split axis first) into one vector,
+# the vectors are gathered, and the host cuts every full value out of the
+# result (pure data movement, so exact). A shard grouping is the partition
+# of the world into the specs' model groups (`spec.model_group(rank)` for
+# every rank), so a `ShardSpec` split over one mesh axis and a Pipeline's
+# `StageBufferSpec` (the pipeline and tensor-parallel axes together) never
+# share a gather, and every worker forms the same buckets in the same order.
+# The traced gather takes that vector as its argument and relaxes its
+# length after the second one (`reduce_retracing`), so a few traces per
+# dtype and grouping serve every layer and every later call (a layer saved
+# after its `full_weights`); autograph is off, since converting the
+# collectives' Python costs far more than gathering a small model.
+_HOST_GATHERS = weakref.WeakKeyDictionary()  # strategy -> {(grouping, name): tf.function}
+
+
+def _grouping(spec, world, memo):
+    """The partition of ranks ``0..world-1`` into `spec`'s model groups."""
+    key = (type(spec), id(spec.mesh), spec.mesh_axis, id(getattr(spec, "owner", None)))
+    if key not in memo:
+        memo[key] = tuple(sorted({spec.model_group(r).ranks for r in range(world)}))
+    return memo[key]
+
+
+def _host_gather_fn(strategy, grouping, name):
+    functions = _HOST_GATHERS.setdefault(strategy, {})
+    fn = functions.get((grouping, name))
+    if fn is None:
+        # Not the strategy itself: the cache must not keep it alive.
+        strategy_ref = weakref.ref(strategy)
+
+        def replica_fn(flat):
+            rank = topology.rank()
+            group = topology.Group(next(g for g in grouping if rank in g))
+            return _collectives.gather_along(flat, 0, group, name=name)
+
+        fn = tf.function(
+            lambda flat: strategy_ref().run(replica_fn, args=(flat,)),
+            autograph=False,
+            reduce_retracing=True,
+        )
+        functions[(grouping, name)] = fn
+    return fn
+
+
+def _axis_first(shape, axis):
+    shape = tuple(shape)
+    return (shape[axis],) + shape[:axis] + shape[axis + 1:]
+
+
+def gather_values(pairs, name="gather_values"):
+    """Host side: ``[numpy value]`` per ``(variable, spec or None)`` pair.
+
+    A variable with a spec of more than one shard gives its shards gathered
+    over its model group (`spec.model_group`) along `spec.shard_axis`: the
+    group's shards joined in rank order, as `gather_full` gives them (flat
+    shards: the padded flat vector; a stage buffer: its replicas' rows
+    whole, for `StageBufferSpec.to_full`). Any other gives its host value
+    (`numpy()`). A collective over every replica when any variable is
+    split: all workers must call it with the same variables, in the same
+    order.
+    """
+    strategy = strategy_of([v for v, _ in pairs])
+    world = strategy.num_replicas_in_sync
+    out = [None] * len(pairs)
+    split = []
+    for i, (v, spec) in enumerate(pairs):
+        if spec is None or spec.num_shards == 1 or world == 1:
+            out[i] = np.asarray(v.numpy())
+        else:
+            split.append(i)
+    if not split:
+        return out
+    first = local_ranks(len(components(pairs[split[0]][0])), strategy)[0]
     with strategy.scope():
-        out = tf.function(lambda: strategy.run(replica_fn))()
-    return [np.asarray(strategy.experimental_local_results(o)[0]) for o in out]
+        buckets, memo = {}, {}
+        for i in split:
+            grouping = _grouping(pairs[i][1], world, memo)
+            buckets.setdefault((grouping, _tf_variable(pairs[i][0]).dtype), []).append(i)
+        for (grouping, _), members in buckets.items():
+            comps = [components(pairs[i][0]) for i in members]
+            axes = [pairs[i][1].shard_axis for i in members]
+            flats = []
+            for r in range(len(comps[0])):
+                with tf.device(comps[0][r].device):
+                    flats.append(tf.concat([
+                        tf.reshape(tf.experimental.numpy.moveaxis(c[r], axis, 0), [-1])
+                        for c, axis in zip(comps, axes)
+                    ], 0))
+            fn = _host_gather_fn(strategy, grouping, name)
+            gathered = fn(tf_api.per_replica(flats))
+            # The first local replica's gather: rows are its group's members
+            # in rank order, each holding every variable's flattened shard.
+            gathered = np.asarray(strategy.experimental_local_results(gathered)[0])
+            rows = len(next(g for g in grouping if first in g))
+            gathered = gathered.reshape(rows, -1)
+            start = 0
+            for c, axis, i in zip(comps, axes, members):
+                moved = _axis_first(c[0].shape, axis)
+                size = math.prod(moved)
+                piece = gathered[:, start:start + size]
+                start += size
+                piece = piece.reshape((rows * moved[0],) + moved[1:])
+                out[i] = np.moveaxis(piece, 0, axis)
+    return out
 
 
 def set_full_weights(model_or_layer, values):

@@ -552,14 +552,14 @@ class FullyShard(ShardCollectives, CheckpointEntry, _common.ParallelLayer):
             return self._gather_on_host()
 
     def _gather_on_host(self):
-        return _checkpoint._gather(self, list(zip(self._shards, self._specs)))
+        return _checkpoint._gather(list(zip(self._shards, self._specs)))
 
     # --- Whole weights ------------------------------------------------------
 
     def full_weights(self):
         """Host side: the inner layer's weights, full-size, in its order."""
         pairs = list(zip(self._shards, self._specs))
-        trainable = _checkpoint._gather(self, pairs)
+        trainable = _checkpoint._gather(pairs)
         non_trainable = [np.asarray(v.numpy()) for v in self._non_trainable]
         return [trainable[i] if kind == "t" else non_trainable[i] for kind, i in self._order]
 
