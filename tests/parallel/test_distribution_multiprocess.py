@@ -33,10 +33,20 @@ RESUME_RTOL = 1e-6  # measured: 0.0 (bit for bit)
 
 
 @pytest.mark.multiprocess
-def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
-    result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, timeout=900).check()
+def test_kerashub_models_under_keras_distribution_across_processes(tmp_path, tmp_path_factory):
+    import fully_shard_kerashub_worker as hub
+
+    # The models trained alone: once, here (shared with the fully-sharded
+    # KerasHub tests of this pytest run: the same models, data and Adam),
+    # not in every worker.
+    refs = hub.reference_dir(tmp_path_factory)
+    for name in ("llama", "gemma", "gpt2"):
+        hub.reference(name, "adam", 2, refs)
+    result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, refs, timeout=900).check()
+    print("group seconds:", [r["group_seconds"] for r in result.results])
     for rank, r in enumerate(result.results):
         r = dict(r)
+        r.pop("group_seconds")
         uninterrupted = r.pop("uninterrupted")
         assert set(uninterrupted) == set(W.RESUME_CASES), uninterrupted.keys()
         print(rank, r)
@@ -56,6 +66,7 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
 
     # Fresh processes resume every case from the first launch's backups.
     resumed = run_cluster("parallel/distribution_worker.py", 2, tmp_path, "resume", timeout=600).check()
+    print("resume group seconds:", [r["group_seconds"] for r in resumed.results])
     for rank, (first, second) in enumerate(zip(result.results, resumed.results, strict=True)):
         for case in W.RESUME_CASES:
             got = rel(first["uninterrupted"][case], second["resumed"][case])
