@@ -234,12 +234,20 @@ def _prompt(x):
     return {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]}
 
 
-def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", tmp=None, reference_dir=None):
+def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", tmp=None, reference_dir=None,
+                      uninterrupted=None):
     """Trains `name` under the distribution and compares it with the model
     trained alone: computed here (`trained_alone`), or with `reference_dir`
     (KerasHub models) read from the run's cache there
     (fully_shard_kerashub_worker.reference: the same computation, once per
-    run instead of in every worker)."""
+    run instead of in every worker).
+
+    `uninterrupted`: a dict; when given, the model then trains on (the last
+    of) the RESUME_STEPS batches, which makes it the run uninterrupted of
+    `stop_with_backups` (the same model, distribution and steps, without
+    building and tracing another), and its full weights are stored there
+    under ``"<name>-<mode>"``.
+    """
     x, y = data(name)
     tmp = tmp or tempfile.mkdtemp()
     if reference_dir is None:
@@ -283,6 +291,17 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", tmp=None,
     plain = MODELS[name](seed=2)
     plain.load_weights(mine)
     out["saved_to_plain"] = rel(model.get_weights(), plain.get_weights())
+    if uninterrupted is not None:
+        # Predict, generate and the files changed nothing the steps use; the
+        # optimizer's step count goes on, so this fit's step is step 3 of
+        # one fit over every batch.
+        xs, ys = data(name, RESUME_STEPS)
+        done = len(y)
+        same = tf.nest.map_structure(lambda a, b: bool(np.array_equal(a, b[:done])), (x, y), (xs, ys))
+        assert all(tf.nest.flatten(same)), "data(name) is not the start of data(name, RESUME_STEPS)"
+        rest = tf.nest.map_structure(lambda a: a[done:], (xs, ys))
+        model.fit(*rest, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        uninterrupted[f"{name}-{mode}"] = full_weights(model)
     model.load_weights(ref["file"])
     out["plain_to_split"] = rel(ref["weights"], model.get_weights())
     return out
@@ -400,13 +419,20 @@ RESUME_CASES = {
 }
 
 
-def stop_with_backups(strategy, state_dir):
-    """The first launch: each case's uninterrupted weights, and a backup left."""
+def stop_with_backups(strategy, state_dir, uninterrupted=None):
+    """The first launch: each case's uninterrupted weights, and a backup left.
+
+    `uninterrupted`: the cases' weights train_and_compare already trained
+    uninterrupted (the layout-map cases), not trained again.
+    """
     workers = keras_comm.topology.worker_count(strategy)
     out = {}
     for case, (name, mode) in RESUME_CASES.items():
         mesh_shape = (1, workers)
-        out[case] = straight_fit(strategy, name, mode, mesh_shape)
+        if uninterrupted and case in uninterrupted:
+            out[case] = uninterrupted[case]
+        else:
+            out[case] = straight_fit(strategy, name, mode, mesh_shape)
         interrupted_fit(strategy, name, mode, mesh_shape, os.path.join(state_dir, f"backup-{case}"))
     return out
 
@@ -486,15 +512,19 @@ if __name__ == "__main__":
     # are read from REFERENCE_DIR (fully_shard_kerashub_worker.reference; the
     # test computes them before the launch). ``TMP resume``: the second launch.
     refs = sys.argv[2]
+    # Llama's and Gemma's layout-map models go on to be the resume check's
+    # uninterrupted runs (train_and_compare's `uninterrupted`).
+    uninterrupted = {}
     groups = [
         (f"{name}-{mode}", lambda name=name, mesh_shape=mesh_shape, mode=mode: train_and_compare(
-            strategy, name, mesh_shape, mode, tmp=tmp, reference_dir=refs))
+            strategy, name, mesh_shape, mode, tmp=tmp, reference_dir=refs,
+            uninterrupted=uninterrupted if f"{name}-{mode}" in RESUME_CASES else None))
         for name, mesh_shape, mode in [
             ("llama", (1, workers), "model"),
             ("gemma", (1, workers), "model"),
             ("gpt2", None, "data"),
         ]
     ]
-    groups.append(("uninterrupted", lambda: stop_with_backups(strategy, tmp)))
+    groups.append(("uninterrupted", lambda: stop_with_backups(strategy, tmp, uninterrupted)))
     write_result(run_groups(groups))
     finish()

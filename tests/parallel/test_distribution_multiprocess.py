@@ -4,11 +4,12 @@
 Two launches of 2 workers. The first: KerasHub's Llama and Gemma built
 under their own `get_layout_map` on a (1, 2) mesh, and GPT-2 under
 `DataParallel`; each is trained on global batches and compared with the
-same model trained in each worker's process alone, then `generate()` runs
+same model trained alone (once, in the test's process), then `generate()` runs
 (inside `keras_comm.distribution.gathered`) and `.weights.h5` files go from
-the split model to the plain one and back. It then trains Llama and Gemma
-(layout maps) and GPT-2 (`fully_shard`) uninterrupted, and again stopped
-after a `BackupAndRestore` backup. The second launch (fresh processes)
+the split model to the plain one and back; Llama's and Gemma's then train
+the last of the resume's 3 batches, which makes them its uninterrupted runs.
+It then trains GPT-2 (`fully_shard`) uninterrupted, and each of the three
+again, stopped after a `BackupAndRestore` backup. The second launch (fresh processes)
 resumes each from its backup and must end where the uninterrupted run did.
 
 On 4 workers (a group of the shared launch, tests/parallel/pipeline_worker.py),
