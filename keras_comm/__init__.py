@@ -21,6 +21,13 @@ if not _compat.apply():
     # only `fit` under MultiWorkerMirroredStrategy runs stock (broken) Keras.
     _warnings.warn(_compat.unsupported_message(), stacklevel=2)
 
+# AutoGraph calls keras_comm's functions as written, as it does TensorFlow's
+# and Keras's, instead of converting each inside every traced function
+# (keras_comm._private.tf_api.leave_unconverted_by_autograph says why).
+from keras_comm._private import tf_api as _tf_api  # noqa: E402
+
+_tf_api.leave_unconverted_by_autograph("keras_comm")
+
 from keras_comm import callbacks  # noqa: E402
 from keras_comm import config  # noqa: E402
 from keras_comm import distribution  # noqa: E402

@@ -269,15 +269,47 @@ def iterator_autotunes(iterator):
     return False
 
 
+# --- AutoGraph ----------------------------------------------------------------
+#
+# AutoGraph converts (parses, transforms and recompiles) every function a
+# converted function calls unless its module matches one of the conversion
+# rules; TensorFlow lists itself, Keras and tf_keras there, and exports no
+# way to add a package. keras_comm's code has no Python control flow on
+# tensors (Keras's `fit` already calls all of it unconverted, from its
+# `do_not_convert` steps), so converting it only costs time: a converted
+# function calling a keras_comm op converted ~90 keras_comm functions per
+# collective, most of the tracing time of a step of collectives (3 workers,
+# 36 collectives with gradients, tests/acceptance/collectives_worker.py:
+# 9.7 s traced with the conversion, 2.6 s without).
+
+_unconverted = set()
+
+
+def leave_unconverted_by_autograph(package):
+    """Makes AutoGraph call `package`'s functions as written, as it does
+    TensorFlow's and Keras's: a rule at the front of its conversion rules
+    (`conversion.is_allowlisted` reads them on every call). Idempotent."""
+    from tensorflow.python.autograph.core import config as autograph_config
+
+    if package in _unconverted:
+        return
+    autograph_config.CONVERSION_RULES = (
+        autograph_config.DoNotConvert(package),
+    ) + tuple(autograph_config.CONVERSION_RULES)
+    _unconverted.add(package)
+
+
 # --- What the version test guards --------------------------------------------
 
 
 def relied_on():
     """The private TensorFlow functions keras_comm calls, by name."""
+    from tensorflow.python.autograph.impl import conversion
     from tensorflow.python.distribute import values
     from tensorflow.python.framework import func_graph
 
     return {
+        "conversion.is_allowlisted": conversion.is_allowlisted,
         "collective_ops.all_reduce_v2": collective_ops.all_reduce_v2,
         "collective_ops.all_gather_v2": collective_ops.all_gather_v2,
         "collective_ops.all_to_all_v2": collective_ops.all_to_all_v2,

@@ -27,6 +27,7 @@ FLOAT32_TOLERANCE = 1e-6
 @pytest.mark.parametrize("num_workers", [3])
 def test_collectives_mirror_virtual_and_non_trainable_state(num_workers):
     result = shared_cluster("acceptance/shared_launch_worker.py", num_workers, timeout=900).check()
+    print("group seconds:", [r["group_seconds"] for r in result.results])
     for rank, checks in enumerate(result.results):
         _check_collectives(rank, checks["collectives"], num_workers)
         _check_mirror(rank, checks["mirror"], num_workers)

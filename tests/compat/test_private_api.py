@@ -470,6 +470,7 @@ _TENSORFLOW_SHA256 = {
         "DistributedVariable._get_on_device_or_primary": "42bac83f6c128dcece08fbd0fbe640bc5c8ccbc01c14084e5059e36cc4452195",
         "PerReplica": "53cab5d218a50ed9920f6cb5871c5ca59e3a20ceee1791861a0e5fd76a72694b",
         "distribute_lib.get_update_replica_id": "ea691a81b9e808144acfcc22646a1181632397d387786a99c6294662c44f8547",
+        "conversion.is_allowlisted": "2a6f6ed3185b047a20a369d5299043e959076da9ded245bb833a8feb086144be",
     },
 }
 

@@ -206,17 +206,61 @@ def gathered_bytes(model, records):
 # --- The scenario -----------------------------------------------------------------
 
 
-def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1, tmp=None):
-    """Trains `name` under the distribution and alone; returns the comparisons."""
+def trained_alone(name, directory):
+    """`name` trained alone (no strategy) on `data(name)`, as data: its initial
+    and final weights, loss history, predictions, generated tokens (KerasHub
+    models) and the file of its final weights (``"file"``, in `directory`).
+    fully_shard_kerashub_worker.reference computes the same for the KerasHub
+    models, kept once per pytest run."""
     x, y = data(name)
     ref = MODELS[name]()
-    ref_initial = ref.get_weights()
+    out = {"initial": ref.get_weights()}
     compile_model(ref, name)
+    t0 = time.perf_counter()
+    out["loss"] = ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history["loss"]
+    out["fit_seconds"] = time.perf_counter() - t0
+    out["weights"] = ref.get_weights()
+    out["predict"] = ref.predict(x, batch_size=BATCH, verbose=0)
+    if name != "mlp":
+        out["generate"] = np.asarray(
+            ref.generate(_prompt(x), max_length=SEQ, stop_token_ids=None)["token_ids"]
+        )
+    out["file"] = os.path.join(directory, f"{name}.plain.weights.h5")
+    ref.save_weights(out["file"])
+    return out
+
+
+def _prompt(x):
+    return {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]}
+
+
+def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", tmp=None, reference_dir=None,
+                      uninterrupted=None):
+    """Trains `name` under the distribution and compares it with the model
+    trained alone: computed here (`trained_alone`), or with `reference_dir`
+    (KerasHub models) read from the run's cache there
+    (fully_shard_kerashub_worker.reference: the same computation, once per
+    run instead of in every worker).
+
+    `uninterrupted`: a dict; when given, the model then trains on (the last
+    of) the RESUME_STEPS batches, which makes it the run uninterrupted of
+    `stop_with_backups` (the same model, distribution and steps, without
+    building and tracing another), and its full weights are stored there
+    under ``"<name>-<mode>"``.
+    """
+    x, y = data(name)
+    tmp = tmp or tempfile.mkdtemp()
+    if reference_dir is None:
+        ref = trained_alone(name, tempfile.mkdtemp(dir=tmp))
+    else:
+        import fully_shard_kerashub_worker as hub
+
+        ref = hub.reference(name, "adam", 2, reference_dir)
     dist = distribution_for(name, mesh_shape, mode, strategy)
     with strategy.scope(), dist.scope():
         model = MODELS[name]()
         compile_model(model, name)
-    out = {"initial": rel(ref_initial, model.get_weights())}
+    out = {"initial": rel(ref["initial"], model.get_weights())}
     split = split_weights(model)
     out["split"] = len(split)
     out["stored_fraction"] = sum(int(np.prod(v.value.shape)) for v in model.weights) / sum(
@@ -224,36 +268,22 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1,
     )
     out["blocks_stored"] = all(tuple(v.value.shape) == v.blocks.block_shape for v in split)
     t0 = time.perf_counter()
-    ref_hist = ref.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
-    ref_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
     with recording_weight_gathers() as records:
-        hist = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+        hist = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     out["fit_seconds"] = time.perf_counter() - t0
     out["gathered_whole"] = gathered_whole(model, records)
     out["gathered_bytes"] = gathered_bytes(model, records)
-    out["ref_fit_seconds"] = ref_seconds
-    out["loss"] = rel([ref_hist.history["loss"]], [hist.history["loss"]])
-    out["weights"] = rel(ref.get_weights(), model.get_weights())
+    out["ref_fit_seconds"] = ref["fit_seconds"]
+    out["loss"] = rel([ref["loss"]], [hist.history["loss"]])
+    out["weights"] = rel(ref["weights"], model.get_weights())
     slots = [v for v in model.optimizer.variables if keras_comm.distribution.is_sharded(v)]
     out["slots_split"] = len(slots)
-    out["predict"] = rel([ref.predict(x, batch_size=BATCH, verbose=0)],
-                         [model.predict(x, batch_size=BATCH, verbose=0)])
+    out["predict"] = rel([ref["predict"]], [model.predict(x, batch_size=BATCH, verbose=0)])
     if name != "mlp":
         with keras_comm.distribution.gathered(model):
-            generated = model.generate(
-                {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
-                max_length=SEQ, stop_token_ids=None,
-            )
-        expected = ref.generate(
-            {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]},
-            max_length=SEQ, stop_token_ids=None,
-        )
-        out["generate_equal"] = bool(
-            np.array_equal(np.asarray(generated["token_ids"]), np.asarray(expected["token_ids"]))
-        )
+            generated = model.generate(_prompt(x), max_length=SEQ, stop_token_ids=None)
+        out["generate_equal"] = bool(np.array_equal(np.asarray(generated["token_ids"]), ref["generate"]))
     # Checkpoints: the distributed model's file loads into the plain model and back.
-    tmp = tmp or tempfile.mkdtemp()
     chief = keras_comm.topology.is_chief(strategy)
     path = os.path.join(tmp, f"{name}.weights.h5")
     mine = path if chief else os.path.join(tmp, f"{name}.{keras_comm.topology.task_id(strategy)}.weights.h5")
@@ -261,10 +291,19 @@ def train_and_compare(strategy, name, mesh_shape=(2, 2), mode="model", epochs=1,
     plain = MODELS[name](seed=2)
     plain.load_weights(mine)
     out["saved_to_plain"] = rel(model.get_weights(), plain.get_weights())
-    plain_path = mine.replace(".weights.h5", ".plain.weights.h5")
-    ref.save_weights(plain_path)
-    model.load_weights(plain_path)
-    out["plain_to_split"] = rel(ref.get_weights(), model.get_weights())
+    if uninterrupted is not None:
+        # Predict, generate and the files changed nothing the steps use; the
+        # optimizer's step count goes on, so this fit's step is step 3 of
+        # one fit over every batch.
+        xs, ys = data(name, RESUME_STEPS)
+        done = len(y)
+        same = tf.nest.map_structure(lambda a, b: bool(np.array_equal(a, b[:done])), (x, y), (xs, ys))
+        assert all(tf.nest.flatten(same)), "data(name) is not the start of data(name, RESUME_STEPS)"
+        rest = tf.nest.map_structure(lambda a: a[done:], (xs, ys))
+        model.fit(*rest, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        uninterrupted[f"{name}-{mode}"] = full_weights(model)
+    model.load_weights(ref["file"])
+    out["plain_to_split"] = rel(ref["weights"], model.get_weights())
     return out
 
 
@@ -380,13 +419,20 @@ RESUME_CASES = {
 }
 
 
-def stop_with_backups(strategy, state_dir):
-    """The first launch: each case's uninterrupted weights, and a backup left."""
+def stop_with_backups(strategy, state_dir, uninterrupted=None):
+    """The first launch: each case's uninterrupted weights, and a backup left.
+
+    `uninterrupted`: the cases' weights train_and_compare already trained
+    uninterrupted (the layout-map cases), not trained again.
+    """
     workers = keras_comm.topology.worker_count(strategy)
     out = {}
     for case, (name, mode) in RESUME_CASES.items():
         mesh_shape = (1, workers)
-        out[case] = straight_fit(strategy, name, mode, mesh_shape)
+        if uninterrupted and case in uninterrupted:
+            out[case] = uninterrupted[case]
+        else:
+            out[case] = straight_fit(strategy, name, mode, mesh_shape)
         interrupted_fit(strategy, name, mode, mesh_shape, os.path.join(state_dir, f"backup-{case}"))
     return out
 
@@ -455,18 +501,30 @@ if __name__ == "__main__":
 
     from _strategy import strategy
 
+    from _cluster import run_groups
+
     workers = keras_comm.topology.worker_count(strategy)
     tmp = sys.argv[1]
     if sys.argv[2:] == ["resume"]:
-        write_result({"resumed": resume_from_backups(strategy, tmp)})
+        write_result(run_groups([("resumed", lambda: resume_from_backups(strategy, tmp))]))
         finish()
-    results = {}
-    for name, mesh_shape, mode in [
-        ("llama", (1, workers), "model"),
-        ("gemma", (1, workers), "model"),
-        ("gpt2", None, "data"),
-    ]:
-        results[f"{name}-{mode}"] = train_and_compare(strategy, name, mesh_shape, mode, tmp=tmp)
-    results["uninterrupted"] = stop_with_backups(strategy, tmp)
-    write_result(results)
+    # ``distribution_worker.py TMP REFERENCE_DIR``: the models trained alone
+    # are read from REFERENCE_DIR (fully_shard_kerashub_worker.reference; the
+    # test computes them before the launch). ``TMP resume``: the second launch.
+    refs = sys.argv[2]
+    # Llama's and Gemma's layout-map models go on to be the resume check's
+    # uninterrupted runs (train_and_compare's `uninterrupted`).
+    uninterrupted = {}
+    groups = [
+        (f"{name}-{mode}", lambda name=name, mesh_shape=mesh_shape, mode=mode: train_and_compare(
+            strategy, name, mesh_shape, mode, tmp=tmp, reference_dir=refs,
+            uninterrupted=uninterrupted if f"{name}-{mode}" in RESUME_CASES else None))
+        for name, mesh_shape, mode in [
+            ("llama", (1, workers), "model"),
+            ("gemma", (1, workers), "model"),
+            ("gpt2", None, "data"),
+        ]
+    ]
+    groups.append(("uninterrupted", lambda: stop_with_backups(strategy, tmp, uninterrupted)))
+    write_result(run_groups(groups))
     finish()

@@ -4,11 +4,12 @@
 Two launches of 2 workers. The first: KerasHub's Llama and Gemma built
 under their own `get_layout_map` on a (1, 2) mesh, and GPT-2 under
 `DataParallel`; each is trained on global batches and compared with the
-same model trained in each worker's process alone, then `generate()` runs
+same model trained alone (once, in the test's process), then `generate()` runs
 (inside `keras_comm.distribution.gathered`) and `.weights.h5` files go from
-the split model to the plain one and back. It then trains Llama and Gemma
-(layout maps) and GPT-2 (`fully_shard`) uninterrupted, and again stopped
-after a `BackupAndRestore` backup. The second launch (fresh processes)
+the split model to the plain one and back; Llama's and Gemma's then train
+the last of the resume's 3 batches, which makes them its uninterrupted runs.
+It then trains GPT-2 (`fully_shard`) uninterrupted, and each of the three
+again, stopped after a `BackupAndRestore` backup. The second launch (fresh processes)
 resumes each from its backup and must end where the uninterrupted run did.
 
 On 4 workers (a group of the shared launch, tests/parallel/pipeline_worker.py),
@@ -33,10 +34,20 @@ RESUME_RTOL = 1e-6  # measured: 0.0 (bit for bit)
 
 
 @pytest.mark.multiprocess
-def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
-    result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, timeout=900).check()
+def test_kerashub_models_under_keras_distribution_across_processes(tmp_path, tmp_path_factory):
+    import fully_shard_kerashub_worker as hub
+
+    # The models trained alone: once, here (shared with the fully-sharded
+    # KerasHub tests of this pytest run: the same models, data and Adam),
+    # not in every worker.
+    refs = hub.reference_dir(tmp_path_factory)
+    for name in ("llama", "gemma", "gpt2"):
+        hub.reference(name, "adam", 2, refs)
+    result = run_cluster("parallel/distribution_worker.py", 2, tmp_path, refs, timeout=900).check()
+    print("group seconds:", [r["group_seconds"] for r in result.results])
     for rank, r in enumerate(result.results):
         r = dict(r)
+        r.pop("group_seconds")
         uninterrupted = r.pop("uninterrupted")
         assert set(uninterrupted) == set(W.RESUME_CASES), uninterrupted.keys()
         print(rank, r)
@@ -56,6 +67,7 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path):
 
     # Fresh processes resume every case from the first launch's backups.
     resumed = run_cluster("parallel/distribution_worker.py", 2, tmp_path, "resume", timeout=600).check()
+    print("resume group seconds:", [r["group_seconds"] for r in resumed.results])
     for rank, (first, second) in enumerate(zip(result.results, resumed.results, strict=True)):
         for case in W.RESUME_CASES:
             got = rel(first["uninterrupted"][case], second["resumed"][case])
