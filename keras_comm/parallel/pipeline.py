@@ -39,9 +39,9 @@ def _keep_unallocated(stages):
     """Keeps the stage layers' own variables without storage for good.
 
     Variables created in a `keras.StatelessScope` are queued for allocation
-    when the next outermost stateless scope closes -- the first traced step
-    opens one -- which gave every replica every stage's weights (the whole
-    model) next to its stage buffer. The buffer holds the values; the
+    when the next outermost stateless scope closes (the first traced step
+    opens one), which would give every replica every stage's weights (the
+    whole model) next to its stage buffer. The buffer holds the values; the
     stages' variables only describe shapes and initializers.
     """
     for stage in stages:

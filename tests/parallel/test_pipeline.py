@@ -140,7 +140,7 @@ def test_the_stage_layers_never_allocate_their_own_weights():
     # The buffer holds the stage values; the stage layers' variables stay
     # shape-only through build, fit, predict and full_weights. (Keras
     # allocates variables made in a StatelessScope when the next outermost
-    # one closes -- the first traced step opens one -- which gave every
+    # one closes -- the first traced step opens one -- which would give every
     # replica the whole model besides its buffer.)
     p = 2
     strategy = make_strategy(p)
