@@ -25,6 +25,9 @@ environment of each worker (g: global rank, i: rank on this node):
   KERAS_COMM_NODE_RANK    --node-rank
   KERAS_COMM_RESTART_ATTEMPT  0, then 1, 2, ... after each --max-restarts restart
   CUDA_VISIBLE_DEVICES    the worker's GPUs (see --gpus-per-worker)
+  TF_NUM_INTRAOP_THREADS  unless set: the node's CPUs // -n (at least 1),
+                          so the workers of a node share its cores instead
+                          of each starting one thread per core.
   PYTHONUNBUFFERED        1, so worker output streams promptly.
   Every other variable is inherited unchanged.
 

@@ -28,6 +28,24 @@ _LOWEST_PICKED_PORT = 10000
 # Variables that list the GPUs a process may use (a test supplies its own).
 VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
+# TensorFlow's intra-op thread count: by default one thread per core in every
+# process, so N workers on one node run N threads per core, and an op split
+# over threads waits for whichever thread the kernel left without a core.
+INTRAOP_THREADS_VAR = "TF_NUM_INTRAOP_THREADS"
+
+
+def available_cpus():
+    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def intraop_threads(cpus, local_world_size):
+    """Each worker's share of this node's CPUs: `cpus // local_world_size`, at least 1."""
+    return max(1, cpus // max(1, local_world_size))
+
 
 class LaunchError(ValueError):
     """Launcher input that cannot be run (bad host, busy port, ...)."""
@@ -307,6 +325,7 @@ def worker_env(
     node_rank=0,
     attempt=0,
     gpus=None,
+    cpus=None,
 ):
     """A copy of `base_env` with the variables worker `rank` needs.
 
@@ -320,6 +339,10 @@ def worker_env(
         attempt: the restart attempt, 0 for the first run.
         gpus: comma-joined GPU ids for CUDA_VISIBLE_DEVICES, or None to
             leave it as inherited.
+        cpus: this node's CPU count (default: `available_cpus()`); unless
+            `base_env` sets TF_NUM_INTRAOP_THREADS, each worker gets
+            `intraop_threads(cpus, local_world_size)` (torchrun's
+            OMP_NUM_THREADS=1, by share).
     """
     env = dict(base_env)
     world = len(addresses)
@@ -339,5 +362,8 @@ def worker_env(
     env["KERAS_COMM_RESTART_ATTEMPT"] = str(attempt)
     if gpus is not None:
         env[VISIBLE_DEVICES_VAR] = gpus
+    if INTRAOP_THREADS_VAR not in env:
+        cpus = available_cpus() if cpus is None else cpus
+        env[INTRAOP_THREADS_VAR] = str(intraop_threads(cpus, local_world_size))
     env["PYTHONUNBUFFERED"] = "1"
     return env

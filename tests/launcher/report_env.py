@@ -20,7 +20,7 @@ write_result(
             for name in (
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "KERAS_COMM_LOCAL_RANK",
                 "KERAS_COMM_LOCAL_WORLD_SIZE", "KERAS_COMM_NODE_RANK",
-                "KERAS_COMM_RESTART_ATTEMPT", "CUDA_VISIBLE_DEVICES",
+                "KERAS_COMM_RESTART_ATTEMPT", "CUDA_VISIBLE_DEVICES", "TF_NUM_INTRAOP_THREADS",
             )
         },
     }

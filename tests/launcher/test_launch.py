@@ -18,6 +18,7 @@ import pytest
 
 from _cluster import LAUNCHER, REPO_DIR, cluster_env, free_port_block, run_cluster, write_result
 from keras_comm import launch
+from keras_comm_run import cluster
 
 pytestmark = pytest.mark.multiprocess
 
@@ -461,6 +462,23 @@ def test_torchrun_names_beside_keras_comm_names(tmp_path):
         assert result["WORLD_SIZE"] == result["LOCAL_WORLD_SIZE"] == "2"
         assert result["KERAS_COMM_LOCAL_WORLD_SIZE"] == "2"
         assert result["KERAS_COMM_NODE_RANK"] == result["KERAS_COMM_RESTART_ATTEMPT"] == "0"
+
+
+def test_each_worker_gets_its_share_of_the_cpus_unless_the_user_chose(tmp_path):
+    cpus = cluster.available_cpus()
+    env = cluster_env(tmp_path)
+    env.pop(cluster.INTRAOP_THREADS_VAR, None)  # conftest sets 1 for the suite
+    for workers, given, expected in [(2, None, max(1, cpus // 2)), (4, None, max(1, cpus // 4)),
+                                     (2, "3", 3)]:
+        if given is not None:
+            env[cluster.INTRAOP_THREADS_VAR] = given
+        proc = subprocess.run([*LAUNCHER, "-n", str(workers), REPORT_ENV], env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        got = [r["TF_NUM_INTRAOP_THREADS"] for r in _results(tmp_path, workers)]
+        assert got == [str(expected)] * workers, (workers, given, got)
+    assert [cluster.intraop_threads(c, n) for c, n in [(2, 1), (2, 2), (2, 4), (8, 2), (6, 4)]] \
+        == [2, 1, 1, 4, 1]
 
 
 @pytest.mark.parametrize(
