@@ -10,6 +10,15 @@ import os
 import resource
 import sys
 
+# One intra-op thread per TensorFlow process, this one and every worker it
+# launches (they inherit the environment), unless the caller chose: the
+# suite runs two pytest workers, and beside them up to 4 worker processes, on
+# 2 cores. An op split over 2 threads waits for its slower half, and under
+# that load the slower half waits for a time slice: a 4-replica KerasHub test
+# that takes 32 s alone took 108 s beside two busy processes with TF's
+# default (one thread per core) and 45 s with one. Values are unchanged.
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+
 import _cluster
 import _durations
 import numpy as np

@@ -35,7 +35,9 @@ import numpy as np
 import tensorflow as tf
 
 from _cluster import write_result
+from _shared import without_tf_data_autotune
 
+without_tf_data_autotune()  # as tests/_strategy.py does, and why
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402

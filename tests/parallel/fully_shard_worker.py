@@ -369,6 +369,9 @@ def main():
     mode = sys.argv[2] if len(sys.argv) > 2 else "suite"
     if mode not in ("suite", "full", "grid-only"):
         raise ValueError(f"mode must be 'full' or 'grid-only'. Received: mode={mode!r}")
+    from _shared import without_tf_data_autotune
+
+    without_tf_data_autotune()  # as tests/_strategy.py does, and why
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     n = strategy.num_replicas_in_sync
     result = {"n": n, "rank": int(strategy.cluster_resolver.task_id)}
