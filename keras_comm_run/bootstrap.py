@@ -95,6 +95,13 @@ def _keras_comm_run_bootstrap():
         ctx = eager.context_safe() if hasattr(eager, "context_safe") else eager.context()
         if ctx is None or not ctx.coordination_service:
             return
+        # keras_comm's fit/evaluate return before the iterators they released
+        # are destroyed (keras_comm.training.step, RELEASE_THREAD_NAME); the
+        # interpreter joins those threads anyway, and joined here every
+        # worker's wait overlaps its peers' instead of following the barrier.
+        for thread in threading.enumerate():
+            if thread.name == "keras_comm_iterator_release":
+                thread.join()
         seconds = float(os.environ.get("KERAS_COMM_EXIT_WAIT_SECONDS", "3600"))
         try:
             ctx.wait_at_barrier("keras_comm_run/exit", int(seconds * 1000))

@@ -21,7 +21,6 @@ A policy (see `keras_comm.training`) supplies only the replica step.
 
 import functools
 import threading
-import warnings
 
 import tensorflow as tf
 
@@ -287,37 +286,35 @@ def one_iterator_per_epoch(epoch_iterator):
 # So, inside `fit` and `evaluate` (`releasing_iterators`, installed by
 # `keras_comm.compat`), each step function holds the iterator it was last
 # called with; once a new iterator's first call has returned, the previous
-# one is dropped on a release thread of that call's scope. The scope joins
-# every release thread before `fit`/`evaluate` returns or raises (in a
-# `finally`), so no such thread outlives the call that started it -- not into
-# the next `fit`, not into interpreter shutdown, where Python's finalization
-# would end a thread still inside TensorFlow's C++ destructor (SIGABRT).
+# one is dropped on a release thread. When the call returns or raises (in a
+# `finally`) the iterators still held are handed to release threads too, and
+# the call returns without waiting for them: a sleeping destructor there would
+# hold the end of every `fit` and `evaluate` on the workers it hit (~10 s on 3
+# of 4 ranks of a KerasHub fit) while the others wait in their next
+# collective. Release threads are not daemons, so the interpreter joins them
+# before its finalization (which would end a thread inside TensorFlow's C++
+# destructor: SIGABRT); `keras-comm-run` joins them before its exit barrier,
+# so no worker outlives its peers by a destructor's sleep (the chief hosts the
+# coordination service, and exited peers that miss its heartbeats for 10 s
+# abort it).
 # Only iterators whose pipelines can autotune (`tf_api.iterator_autotunes`)
 # are released off the host: without autotuning there is no thread to join,
-# the destructor returns at once, and it runs on the host as in stock Keras. Outside a scope
-# (`train_on_batch`, a step function called directly) nothing is held.
+# the destructor returns at once, and it runs on the host as in stock Keras.
+# Outside a scope (`train_on_batch`, a step function called directly) nothing
+# is held.
 
-#: Name of the threads that drop released iterators.
+#: Name of the threads that drop released iterators (keras_comm_run's
+#: bootstrap joins threads of this name before its exit barrier).
 RELEASE_THREAD_NAME = "keras_comm_iterator_release"
-
-# How long the scope's exit waits for one release thread. The destructor
-# sleeps at most until the autotuning thread's next optimization, which
-# TensorFlow schedules at most 60 s ahead (`Model::OptimizeLoop`); the margin
-# covers tearing the pipeline down on a loaded machine. A release still
-# running after that is reported, and its thread (not a daemon) is still
-# joined by the interpreter before finalization, never ended inside the
-# destructor.
-_JOIN_TIMEOUT_SECONDS = 90.0
 
 _scopes = threading.local()
 
 
 class _ReleaseScope:
-    """The iterators held and the releases started during one `fit`/`evaluate`."""
+    """The iterators held during one `fit`/`evaluate`."""
 
     def __init__(self):
         self.held = {}  # step function's key -> [its latest iterator]
-        self.threads = []
 
     def swap(self, key, iterator):
         """Holds `iterator` for `key`; returns a box with the iterator it replaces.
@@ -335,29 +332,15 @@ class _ReleaseScope:
         if not box or not tf_api.iterator_autotunes(box[0]):
             del box[:]  # nothing to wait for: destroyed here, as upstream
             return
-        thread = threading.Thread(
+        threading.Thread(
             target=_drop, args=(box,), name=RELEASE_THREAD_NAME, daemon=False
-        )
-        thread.start()
-        self.threads.append(thread)
+        ).start()
 
     def close(self):
-        """Releases what is still held and joins every release thread."""
+        """Releases what is still held, without waiting for the releases."""
         held, self.held = list(self.held.values()), {}
         while held:
             self.release(held.pop())
-        threads, self.threads = self.threads, []
-        for thread in threads:
-            thread.join(_JOIN_TIMEOUT_SECONDS)
-            if thread.is_alive():
-                warnings.warn(
-                    "keras_comm: destroying a finished epoch's tf.data iterator "
-                    f"took more than {_JOIN_TIMEOUT_SECONDS:.0f} s (TensorFlow "
-                    "caps its autotuning sleep at 60 s); the call returns, and "
-                    "the interpreter still waits for that thread before it exits.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
 
 
 def _drop(box):
@@ -368,7 +351,7 @@ def _drop(box):
 
 
 def releasing_iterators(method):
-    """Wraps `fit`/`evaluate` so that every iterator release ends inside the call.
+    """Wraps `fit`/`evaluate` so that no iterator's destructor runs on their thread.
 
     Args:
         method: upstream's `TensorFlowTrainer.fit` or `.evaluate`.

@@ -4,21 +4,25 @@ With tf.data autotuning on, destroying an iterator can sleep until its
 autotuning thread's next optimization, up to a minute (a lost wakeup in
 TensorFlow: see the release section of `keras_comm.training.step`). Under
 MultiWorkerMirroredStrategy that sleep on one worker's host thread is a wait
-for every other worker in the next collective. keras_comm drops each used
-iterator whose pipeline autotunes on a release thread, and joins every such
-thread before `fit` returns or raises; without autotuning the destructor has
-nothing to wait for and runs on the host as in stock Keras.
+for every other worker in the next collective, and at the end of `fit` for
+whatever runs next. keras_comm drops each used iterator whose pipeline
+autotunes on a release thread -- the last one too, when `fit` returns or
+raises -- and does not wait for those threads; they are not daemons, so the
+interpreter joins them before it exits (and keras-comm-run before its exit
+barrier). Without autotuning the destructor has nothing to wait for and runs
+on the host as in stock Keras.
 
 Checked by which thread drops each used iterator's last reference
-(`weakref.finalize` records it), whether that happened before `fit`
-returned, and which threads are alive after it: deterministic, no timing.
+(`weakref.finalize` records it), with releases held until the test lets them
+go: which iterators were finalized when `fit` returned, which release threads
+were still running, and who finalized each one in the end. Deterministic, no
+timing. A child interpreter checks the exit.
 The suite turns autotuning off for every distributed dataset
 (`_shared.without_tf_data_autotune`); the tests with autotuning on undo that
 for their own fits.
 """
 
 import threading
-import time
 import weakref
 
 import keras
@@ -54,12 +58,14 @@ class _RaiseInEpoch(keras.callbacks.Callback):
             raise _Stop()
 
 
-def _fit_recording_releases(autotune, callbacks=()):
-    """Fits EPOCHS epochs; per used iterator, the thread that finalized it by fit's end.
+def _fit_recording_releases(autotune, callbacks=(), let_go=None):
+    """Fits EPOCHS epochs; per used iterator, the thread that finalized it.
 
-    Returns (threads, alive): `threads[i]` is the name of the thread that
-    dropped epoch i's iterator, or None if it was still alive when `fit`
-    returned or raised; `alive` the release threads running at that moment.
+    Returns (at_return, alive, finally_): `at_return[i]` is the name of the
+    thread that had dropped epoch i's iterator when `fit` returned or raised
+    (None: still alive), `alive` the number of release threads running at that
+    moment, and `finally_` the same as `at_return` once `let_go` (the
+    held_releases fixture's event) is set and every release thread joined.
     """
     rng = np.random.default_rng(0)
     # 40 samples in batches of 8: 5 steps per epoch, one replica batch of 4.
@@ -103,9 +109,14 @@ def _fit_recording_releases(autotune, callbacks=()):
     except _Stop:
         pass
     # Read at once: what fit left behind, before any collection.
-    threads = [finalized.get(key) for key in order]
-    alive = step.pending_releases()
-    return threads, alive
+    at_return = [finalized.get(key) for key in order]
+    alive = len(step.pending_releases())
+    if let_go is not None:
+        let_go.set()
+    for thread in step.pending_releases():
+        thread.join(60)
+    finally_ = [finalized.get(key) for key in order]
+    return at_return, alive, finally_
 
 
 @pytest.fixture
@@ -118,43 +129,108 @@ def autotune_on(monkeypatch):
 
 
 @pytest.fixture
-def slow_release(monkeypatch):
-    """Each release takes 0.3 s more, so one that is not joined is still running."""
+def held_releases(monkeypatch):
+    """Every release waits until the test sets the returned event."""
     drop = step._drop
+    let_go = threading.Event()
 
-    def slow_drop(box):
-        time.sleep(0.3)
+    def held_drop(box):
+        let_go.wait(60)
         drop(box)
 
-    monkeypatch.setattr(step, "_drop", slow_drop)
+    monkeypatch.setattr(step, "_drop", held_drop)
+    yield let_go
+    let_go.set()
+    for thread in step.pending_releases():
+        thread.join(60)
 
 
-def test_autotuned_iterators_are_released_off_the_host_and_joined(autotune_on, slow_release):
+def test_autotuned_iterators_are_released_off_the_host_and_fit_does_not_wait(
+    autotune_on, held_releases
+):
     # Every epoch's iterator is destroyed on a release thread -- never on the
     # host thread, where stock Keras destroys it at the next epoch's first
-    # step -- and all of them before fit returns, the last one included:
-    # no release thread outlives fit.
-    threads, alive = _fit_recording_releases(autotune=True)
-    assert threads == [step.RELEASE_THREAD_NAME] * EPOCHS, threads
-    assert alive == [], alive
-
-
-def test_releases_are_joined_when_fit_raises(autotune_on, slow_release):
-    # fit raises in epoch 2 (0-based 1) after the previous iterator's release
-    # started: that release is finished, and no release thread is alive,
-    # when the exception leaves fit. (Epoch 2's iterator stays referenced by
-    # fit's frame in the traceback; it is not checked.)
-    threads, alive = _fit_recording_releases(
-        autotune=True, callbacks=[_RaiseInEpoch(1)]
+    # step -- the last one included, and fit returns while all of them are
+    # still held: a sleeping destructor delays no step and not fit's return.
+    at_return, alive, finally_ = _fit_recording_releases(
+        autotune=True, let_go=held_releases
     )
-    assert len(threads) == 2, threads
-    assert threads[0] == step.RELEASE_THREAD_NAME, threads
-    assert alive == [], alive
+    assert at_return == [None] * EPOCHS and alive == EPOCHS, (at_return, alive)
+    assert finally_ == [step.RELEASE_THREAD_NAME] * EPOCHS, finally_
+
+
+def test_a_raising_fit_releases_its_iterators_without_waiting(autotune_on, held_releases):
+    # fit raises in epoch 2 (0-based 1) after the previous iterator's release
+    # started: the exception leaves fit with that release still running, and
+    # the release thread destroys it. (Epoch 2's iterator stays referenced by
+    # fit's frame in the traceback; it is not checked.)
+    at_return, alive, finally_ = _fit_recording_releases(
+        autotune=True, callbacks=[_RaiseInEpoch(1)], let_go=held_releases
+    )
+    assert len(at_return) == 2 and at_return[0] is None and alive >= 1, (at_return, alive)
+    assert finally_[0] == step.RELEASE_THREAD_NAME, finally_
 
 
 def test_iterators_without_autotuning_are_released_on_the_host():
     # Nothing to wait for: destroyed on the host thread, as in stock Keras
     # (the suite's code path), and no thread is started.
-    threads, alive = _fit_recording_releases(autotune=False)
-    assert threads == [threading.main_thread().name] * EPOCHS, threads
-    assert alive == [], alive
+    at_return, alive, _ = _fit_recording_releases(autotune=False)
+    assert at_return == [threading.main_thread().name] * EPOCHS, at_return
+    assert alive == 0, alive
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time, weakref
+import keras, numpy as np, tensorflow as tf
+import keras_comm
+from keras_comm.training import step
+
+drop = step._drop
+let_go = threading.Event()
+def slow_drop(box):
+    let_go.wait(60)
+    time.sleep(1.0)  # a destructor's sleep, still running when the script ends
+    drop(box)
+step._drop = slow_drop
+
+done = []
+original = step._ReleaseScope.release
+def release(self, box):
+    if box:
+        weakref.finalize(box[0], lambda: done.append(threading.current_thread().name))
+    original(self, box)
+step._ReleaseScope.release = release
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+x = np.zeros((16, 4), "float32")
+data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+options = tf.data.Options()
+options.autotune.enabled = True
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(data.with_options(options), epochs=2, verbose=0)
+print("pending at the end of the script:", len(step.pending_releases()), flush=True)
+let_go.set()
+import atexit
+atexit.register(lambda: print("finalized before exit:", done, flush=True))
+"""
+
+
+def test_the_interpreter_waits_for_pending_releases_and_exits_cleanly(tmp_path):
+    # The script ends with its last iterators' releases still sleeping: the
+    # interpreter joins the (non-daemon) release threads before its atexit
+    # handlers and finalization, so the destructors finish on their thread
+    # and the process exits 0 -- not SIGABRT inside TensorFlow's destructor.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pending at the end of the script: 2" in proc.stdout, proc.stdout
+    assert f"finalized before exit: {[step.RELEASE_THREAD_NAME] * 2}" in proc.stdout, proc.stdout
