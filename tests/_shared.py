@@ -126,11 +126,14 @@ def without_tf_data_autotune():
     (the default one included) distributes in this process (the suite's datasets; values and order are
     unchanged: autotuning only sizes buffers and thread pools).
 
-    Why: with autotuning on, destroying an epoch's iterator blocks the host
-    for tens of seconds (~30 s at the first epoch change of a
-    2-replica fit, 0.3 s of CPU) while the training itself takes seconds, and
-    the suite runs hundreds of fits. Set KERAS_COMM_TEST_AUTOTUNE=1 to keep
-    autotuning (to reproduce that stall under the suite). Idempotent.
+    Why: with autotuning on, destroying an iterator can sleep for tens of
+    seconds (~30 s at the first epoch change of a 2-replica fit, 0.3 s of
+    CPU). `fit` and `evaluate` destroy theirs on release threads, but an
+    iterator a test drops itself, or one a sleeping thread still holds when a
+    pytest worker exits, would wait. With one device per worker (the cluster
+    workers) this turns autotuning off entirely; with several, tf.data's
+    per-device pipelines autotune regardless (see `keras_comm.training.step`).
+    Set KERAS_COMM_TEST_AUTOTUNE=1 to keep autotuning. Idempotent.
     """
     import os
 

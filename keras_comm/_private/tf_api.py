@@ -247,28 +247,6 @@ def variable_strategy(variable):
     return getattr(variable, "_distribute_strategy", None)
 
 
-def iterator_autotunes(iterator):
-    """Whether tf.data autotuning may run in a distributed iterator's pipelines.
-
-    A distributed iterator keeps one iterator per worker (`_iterators`), each
-    over its worker's dataset (`_dataset`); autotuning runs unless that
-    dataset's options turn it off (options of the user's dataset reach the
-    worker's through tf.data's option merging). Anything else -- another
-    iterator type, or a structure that is not the expected one -- answers
-    False: `training.step` then destroys it on the host, as stock Keras does.
-    """
-    workers = getattr(iterator, "_iterators", None)
-    if not workers:
-        return False
-    for worker in workers:
-        dataset = getattr(worker, "_dataset", None)
-        if not isinstance(dataset, tf.data.Dataset):
-            return False
-        if dataset.options().autotune.enabled is not False:
-            return True
-    return False
-
-
 # --- AutoGraph ----------------------------------------------------------------
 #
 # AutoGraph converts (parses, transforms and recompiles) every function a

@@ -297,9 +297,12 @@ def one_iterator_per_epoch(epoch_iterator):
 # so no worker outlives its peers by a destructor's sleep (the chief hosts the
 # coordination service, and exited peers that miss its heartbeats for 10 s
 # abort it).
-# Only iterators whose pipelines can autotune (`tf_api.iterator_autotunes`)
-# are released off the host: without autotuning there is no thread to join,
-# the destructor returns at once, and it runs on the host as in stock Keras.
+# Every used iterator is released this way, whatever its dataset's options
+# say: with more than one device per worker the distributed iterator reads
+# through a `MultiDeviceIterator`, whose per-device pipelines (a generator
+# and a prefetch that tf.data builds with default options) autotune even
+# when the user's dataset turns autotuning off, and their destructors sleep
+# the same way.
 # Outside a scope (`train_on_batch`, a step function called directly) nothing
 # is held.
 
@@ -329,8 +332,7 @@ class _ReleaseScope:
 
     def release(self, box):
         """Drops the reference in `box` where its destructor cannot stall a step."""
-        if not box or not tf_api.iterator_autotunes(box[0]):
-            del box[:]  # nothing to wait for: destroyed here, as upstream
+        if not box:
             return
         threading.Thread(
             target=_drop, args=(box,), name=RELEASE_THREAD_NAME, daemon=False
@@ -391,9 +393,6 @@ def _releasing_previous_iterator(function):
             return function(iterator)
         previous = scope.swap(key, iterator)
         if not previous:
-            return function(iterator)
-        if not tf_api.iterator_autotunes(previous[0]):
-            scope.release(previous)  # on the host, before the step, as upstream
             return function(iterator)
         try:
             return function(iterator)

@@ -4,8 +4,8 @@ Under MultiWorkerMirroredStrategy the same `fit` also checks the data path
 of issue 18's stalls, by counting: no step pulls its batch eagerly (an eager
 `next` on a distributed iterator runs its end-of-data all-reduce through a
 `multiprocessing.pool.ThreadPool` TensorFlow creates per call). (Where the
-previous epoch's iterator is destroyed -- off the host when its pipeline
-autotunes, on release threads `fit` does not wait for -- is
+previous epoch's iterator is destroyed -- off the host, on release threads
+`fit` does not wait for -- is
 tests/training/test_iterator_release.py's.)
 
 Also, under MultiWorkerMirroredStrategy: the call that finds the end of data
