@@ -126,13 +126,19 @@ def without_tf_data_autotune():
     (the default one included) distributes in this process (the suite's datasets; values and order are
     unchanged: autotuning only sizes buffers and thread pools).
 
+    Also the per-device pipelines of tf.data's multi-device iterator (what
+    a strategy reads through with several devices per worker: the in-process
+    replicas), which tf.data builds with default options, autotuning on
+    whatever the source dataset says. They have nothing to tune (a generator
+    and a fixed-size prefetch).
+
     Why: with autotuning on, destroying an iterator can sleep for tens of
     seconds (~30 s at the first epoch change of a 2-replica fit, 0.3 s of
-    CPU). `fit` and `evaluate` destroy theirs on release threads, but an
-    iterator a test drops itself, or one a sleeping thread still holds when a
-    pytest worker exits, would wait. With one device per worker (the cluster
-    workers) this turns autotuning off entirely; with several, tf.data's
-    per-device pipelines autotune regardless (see `keras_comm.training.step`).
+    CPU). `fit` and `evaluate` drop theirs on release threads, but an iterator
+    kept alive by a reference cycle (a fit that raised: its traceback's
+    frames) is destroyed by whichever garbage collection finds it, on the
+    thread of a later test (25-140 s idle stalls in suite runs, native stack
+    `RootDataset::Iterator::~Iterator` joining its autotuning thread).
     Set KERAS_COMM_TEST_AUTOTUNE=1 to keep autotuning. Idempotent.
     """
     import os
@@ -164,3 +170,15 @@ def without_tf_data_autotune():
     experimental_distribute_dataset._keras_comm_no_autotune = True
     experimental_distribute_dataset.original = original
     strategy_cls.experimental_distribute_dataset = experimental_distribute_dataset
+
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    create_device_dataset = multi_device_iterator_ops._create_device_dataset
+
+    def _create_device_dataset(*args, **kwargs):
+        off = tf.data.Options()
+        off.autotune.enabled = False
+        return create_device_dataset(*args, **kwargs).with_options(off)
+
+    _create_device_dataset.original = create_device_dataset
+    multi_device_iterator_ops._create_device_dataset = _create_device_dataset

@@ -122,10 +122,15 @@ def _fit_recording_releases(autotune, callbacks=(), let_go=None):
 @pytest.fixture
 def autotune_on(monkeypatch):
     """Undoes the suite's `without_tf_data_autotune` for one test."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
     cls = distribute_dataset_class()
     original = getattr(vars(cls)["experimental_distribute_dataset"], "original", None)
     if original is not None:
         monkeypatch.setattr(cls, "experimental_distribute_dataset", original)
+    original = getattr(multi_device_iterator_ops._create_device_dataset, "original", None)
+    if original is not None:
+        monkeypatch.setattr(multi_device_iterator_ops, "_create_device_dataset", original)
 
 
 @pytest.fixture
