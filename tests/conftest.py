@@ -6,9 +6,11 @@ can run 2 or 4 replicas of a `MultiWorkerMirroredStrategy` in this process.
 Multi-process tests live beside them and use `tests/_cluster.py`.
 """
 
+import json
 import os
 import resource
 import sys
+from pathlib import Path
 
 # One intra-op thread per TensorFlow process, this one and every worker it
 # launches (they inherit the environment), unless the caller chose: the
@@ -223,8 +225,10 @@ def pytest_runtest_makereport(item, call):
     global _aborted_by
     outcome = yield
     if call.when == "teardown" and hasattr(item, "_cpu_start"):
-        spent = _cpu_seconds() - item._cpu_start
-        outcome.get_result().user_properties.append(("cpu_seconds", spent))
+        own, children = _cpu_seconds()
+        report = outcome.get_result()
+        report.user_properties.append(("cpu_seconds", own + children - sum(item._cpu_start)))
+        report.user_properties.append(("child_cpu_seconds", children - item._cpu_start[1]))
     if _aborted_by is None and call.excinfo is not None and _is_collective_abort(call.excinfo.value):
         _aborted_by = item.nodeid
 
@@ -258,30 +262,42 @@ def pytest_runtest_protocol(item, nextitem):
 # workers can take little wall time and much CPU, which the other xdist
 # worker then waits for. Each test's CPU seconds (this process and every
 # child it waited for: launchers, workers, subprocesses) travel with its
-# teardown report, and the run ends with the costliest, next to the total.
+# teardown report, and the run ends with the costliest, next to the total
+# and the part spent in child processes. KERAS_COMM_TEST_CPU_JSON=PATH also
+# writes every test's figures to PATH.
 _CPU_SUMMARY_LINES = 15
 
 
 def _cpu_seconds():
+    """(this process's CPU seconds, its waited-for children's)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def pytest_terminal_summary(terminalreporter):
-    spent = {}
+    spent, in_children = {}, {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) == "teardown":
                 for key, value in getattr(report, "user_properties", ()):
                     if key == "cpu_seconds":
                         spent[report.nodeid] = value
+                    elif key == "child_cpu_seconds":
+                        in_children[report.nodeid] = value
     if not spent:
         return
+    dump = os.environ.get("KERAS_COMM_TEST_CPU_JSON")
+    if dump:
+        Path(dump).write_text(json.dumps(
+            {n: {"cpu_s": spent[n], "child_cpu_s": in_children.get(n, 0.0)} for n in spent},
+            indent=1, sort_keys=True,
+        ))
     terminalreporter.write_sep("=", f"{_CPU_SUMMARY_LINES} most CPU-costly tests")
     for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:_CPU_SUMMARY_LINES]:
         terminalreporter.write_line(f"{seconds:8.1f} CPU-s  {nodeid}")
     terminalreporter.write_line(
         f"{sum(spent.values()):8.1f} CPU-s in all, {len(spent)} tests "
-        "(each test's process and the children it waited for)"
+        "(each test's process and the children it waited for; "
+        f"{sum(in_children.values()):.1f} CPU-s of it in child processes)"
     )
