@@ -9,7 +9,10 @@ Multi-process tests live beside them and use `tests/_cluster.py`.
 import json
 import os
 import resource
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 # One intra-op thread per TensorFlow process, this one and every worker it
@@ -23,6 +26,7 @@ os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import _cluster
 import _durations
+import _schedule
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -157,11 +161,45 @@ def pytest_collection_modifyitems(config, items):
     # Every xdist worker collects and sorts identically (the key depends only
     # on the node id and markers), as xdist requires.
     items.sort(key=lambda item: -seconds[item.nodeid])
+    path = _schedule.launches_file(getattr(config, "workerinput", None))
+    if path:
+        _schedule.write_launches(path, [
+            item.nodeid for item in items
+            if item.get_closest_marker("multiprocess") is not None
+            and seconds[item.nodeid] >= _schedule.LAUNCH_SECONDS
+        ])
 
 
 def pytest_configure(config):
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
+
+
+# --- scheduling: one cluster launch at a time (tests/_schedule.py) ----------
+#
+# Optional hooks: pytest-xdist's, absent under `-p no:xdist`.
+def _launches_path(config):
+    if not hasattr(config, "_keras_comm_launches"):
+        config._keras_comm_launches = Path(tempfile.mkdtemp(prefix="keras_comm_sched_")) / "launches.json"
+    return config._keras_comm_launches
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[_schedule.FILE_KEY] = str(_launches_path(node.config))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None  # another --dist the caller chose: xdist's own
+    return _schedule.OneLaunchAtATime(config, log, _launches_path(config))
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_keras_comm_launches", None)
+    if path is not None:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 # --- a test that starts a cluster says so -----------------------------------
@@ -229,6 +267,9 @@ def pytest_runtest_makereport(item, call):
         report = outcome.get_result()
         report.user_properties.append(("cpu_seconds", own + children - sum(item._cpu_start)))
         report.user_properties.append(("child_cpu_seconds", children - item._cpu_start[1]))
+        # When and where it ran, for KERAS_COMM_TEST_CPU_JSON's timeline.
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+        report.user_properties.append(("ran", [worker, item._wall_start, time.time()]))
     if _aborted_by is None and call.excinfo is not None and _is_collective_abort(call.excinfo.value):
         _aborted_by = item.nodeid
 
@@ -244,6 +285,7 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     item._cpu_start = _cpu_seconds()
+    item._wall_start = time.time()
     yield
     # `workerinput` marks a pytest-xdist worker process (not the environment
     # variable, which a pytest session started by a test inherits).
@@ -276,7 +318,7 @@ def _cpu_seconds():
 
 
 def pytest_terminal_summary(terminalreporter):
-    spent, in_children = {}, {}
+    spent, in_children, ran = {}, {}, {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) == "teardown":
@@ -285,12 +327,16 @@ def pytest_terminal_summary(terminalreporter):
                         spent[report.nodeid] = value
                     elif key == "child_cpu_seconds":
                         in_children[report.nodeid] = value
+                    elif key == "ran":
+                        ran[report.nodeid] = value
     if not spent:
         return
     dump = os.environ.get("KERAS_COMM_TEST_CPU_JSON")
     if dump:
+        # "ran": [pytest worker, wall start, wall end] (seconds since the epoch).
         Path(dump).write_text(json.dumps(
-            {n: {"cpu_s": spent[n], "child_cpu_s": in_children.get(n, 0.0)} for n in spent},
+            {n: {"cpu_s": spent[n], "child_cpu_s": in_children.get(n, 0.0), "ran": ran.get(n)}
+             for n in spent},
             indent=1, sort_keys=True,
         ))
     terminalreporter.write_sep("=", f"{_CPU_SUMMARY_LINES} most CPU-costly tests")
