@@ -6,7 +6,7 @@ cluster launches, start together on both workers: 6 worker processes on 2
 cores, where every ring collective waits for a peer that is not running. Run
 alone one after the other, the 4-worker pipeline launch, the distribution
 launch and the FullyShard KerasHub launch take 109, 88 and 41 s; started
-together in the suite they took 153, 122 and 119 s.
+together beside each other they take 153, 122 and 119 s.
 
 `OneLaunchAtATime` keeps xdist's load scheduling (tests go out one at a time,
 longest first, as workers free up) with one rule: a test that launches a

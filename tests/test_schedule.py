@@ -90,7 +90,7 @@ def test_without_the_file_it_is_plain_longest_first_load_scheduling(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps(["L1"])])
-def test_the_launches_file_is_read_once_collection_is_complete(tmp_path, content):
+def test_the_file_names_the_launches_and_an_unreadable_one_names_none(tmp_path, content):
     path = tmp_path / "launches.json"
     path.write_text(content)
     sched = _schedule.OneLaunchAtATime(_Config(), None, path)
