@@ -411,16 +411,19 @@ def run_groups(groups):
 
     `groups`: (name, function) pairs, each function returning that group's
     JSON-able results; the result also holds each group's wall seconds
-    ("group_seconds"). Each group's start is printed (`[rank i] group NAME`),
+    ("group_seconds") and this process's CPU seconds in it
+    ("group_cpu_seconds"). Each group's start is printed (`[rank i] group NAME`),
     so a launch that fails shows in its output which group failed.
     """
-    out = {"group_seconds": {}}
+    out = {"group_seconds": {}, "group_cpu_seconds": {}}
     for name, fn in groups:
         print(f"group {name}: starting", flush=True)
-        started = time.time()
+        started, cpu_started = time.time(), time.process_time()
         out[name] = fn()
         out["group_seconds"][name] = round(time.time() - started, 1)
-        print(f"group {name}: done in {out['group_seconds'][name]} s", flush=True)
+        out["group_cpu_seconds"][name] = round(time.process_time() - cpu_started, 1)
+        print(f"group {name}: done in {out['group_seconds'][name]} s, "
+              f"{out['group_cpu_seconds'][name]} CPU-s", flush=True)
     return out
 
 
