@@ -391,17 +391,24 @@ class StageBuffer:
     def _flat_gradient(self, grads, s, held, flat):
         """The buffer's gradient from stage s's weights' gradients `grads`:
         them flattened at their places, zeros elsewhere (the other held
-        stages' parts and the padding), like `_stage_values` reads them."""
-        pieces, start = [], 0
-        for h in held:
-            if h == s:
-                pieces += [tf.reshape(tf.cast(g, flat.dtype), [-1]) for g in grads]
-            elif self._layout[h][1]:
-                pieces.append(tf.zeros([self._layout[h][1]], flat.dtype))
-            start += self._layout[h][1]
-        padding = tf.shape(flat)[0] - start
-        pieces.append(tf.zeros([padding], flat.dtype))
-        return tf.concat(pieces, 0)
+        stages' parts and the padding), like `_stage_values` reads them.
+
+        The zeros are padding of the first and last gradient (`tf.pad`), not
+        zeros tensors of their own: TensorFlow's graph optimizer turns a
+        zeros tensor of a static shape into a constant that the step
+        function keeps for as long as it lives (on a stage smaller than the
+        largest, the buffer's padding: up to a whole stage's size).
+        """
+        pieces = [tf.reshape(tf.cast(g, flat.dtype), [-1]) for g in grads]
+        if not pieces:
+            return tf.zeros_like(flat)
+        before = sum(self._layout[h][1] for h in held[: held.index(s)])
+        after = int(self._buffer.shape[0]) - before - self._layout[s][1]
+        if before:
+            pieces[0] = tf.pad(pieces[0], [[before, 0]])
+        if after:
+            pieces[-1] = tf.pad(pieces[-1], [[0, after]])
+        return tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
 
     def _state_tensor(self):
         if self._state_buffer is None:
