@@ -229,15 +229,18 @@ class StageBuffer:
     def _replica_flat(self, full_by_stage, rank, state=False):
         """Replica `rank`'s buffer from full stage weights ``{stage: [arrays]}``."""
         _, all_shards, buffer, dtype = self._kind(state)
-        length = int(buffer.shape[0])
-        parts = []
+        # One host array, written in place: the buffer can be a whole
+        # stage (hundreds of MiB), so no concatenated, padded and cast copies.
+        flat = np.zeros(int(buffer.shape[0]), dtype)
+        start = 0
         for s in self._held_stages(rank):
             for value, d in zip(full_by_stage[s], all_shards[s]):
                 if d is not None:
                     value = d.spec.slice(np.asarray(value), self._coordinate(rank, d.spec.mesh_axis))
-                parts.append(np.ravel(value))
-        flat = np.concatenate(parts) if parts else np.zeros([0])
-        return np.pad(flat, (0, length - flat.size)).astype(dtype)
+                value = np.ravel(value)
+                flat[start : start + value.size] = value
+                start += value.size
+        return flat
 
     def _by_stage(self, values, state=False):
         """``{stage: [arrays]}`` from a flat list in the unsplit order."""
