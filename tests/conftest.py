@@ -108,6 +108,16 @@ def _seeded():
     keras.utils.set_random_seed(0)
 
 
+@pytest.fixture(scope="session")
+def kerashub_references(tmp_path_factory):
+    """Where the KerasHub models trained alone are kept, once per pytest run
+    for every pytest-xdist worker (fully_shard_kerashub_worker.reference):
+    in-process tests and the cluster launches compare with the same ones."""
+    import fully_shard_kerashub_worker
+
+    return fully_shard_kerashub_worker.reference_dir(tmp_path_factory)
+
+
 @pytest.fixture(params=[2, 4], ids=lambda n: f"{n}replicas")
 def strategy(request):
     """A 2- or 4-replica in-process MultiWorkerMirroredStrategy."""

@@ -85,8 +85,8 @@ def test_model_parallel_mlp_equals_one_process(mesh_shape, split):
 # dense one when its layout splits it: equal only because keras_comm sums a
 # sparse gradient's repeated rows before Adam (tests/training/test_sparse_gradients.py).
 @pytest.mark.parametrize("name", ["llama", "gemma"])
-def test_kerashub_layout_maps_equal_one_process(name):
-    out = W.train_and_compare(make_strategy(4), name, (2, 2))
+def test_kerashub_layout_maps_equal_one_process(name, kerashub_references):
+    out = W.train_and_compare(make_strategy(4), name, (2, 2), reference_dir=kerashub_references)
     assert out["split"] >= 10 and out["blocks_stored"], out
     # Every split kernel computes split; Gemma's tied table is read whole by
     # its output projection (gathered on use).
@@ -96,8 +96,10 @@ def test_kerashub_layout_maps_equal_one_process(name):
     assert out["generate_equal"], out
 
 
-def test_data_parallel_gpt2_equals_one_process():
-    out = W.train_and_compare(make_strategy(2), "gpt2", None, mode="data")
+def test_data_parallel_gpt2_equals_one_process(kerashub_references):
+    out = W.train_and_compare(
+        make_strategy(2), "gpt2", None, mode="data", reference_dir=kerashub_references
+    )
     assert out["split"] == 0, out
     for key in ("initial", "loss", "weights", "predict"):
         assert out[key] <= RTOL, (key, out)

@@ -21,27 +21,23 @@ RTOL = 1e-5
 pytest.importorskip("keras_hub")
 
 
-@pytest.fixture(scope="session")
-def references(tmp_path_factory):
-    """The models trained alone, computed once per pytest run."""
-    return cases.reference_dir(tmp_path_factory)
-
-
 @pytest.mark.inprocess
 @pytest.mark.parametrize("name", cases.MODELS)
-def test_kerashub_causal_lm_fully_sharded_matches_one_process(name, tmp_path, references):
+def test_kerashub_causal_lm_fully_sharded_matches_one_process(name, tmp_path, kerashub_references):
     """Start, losses, final weights (<= 1e-5 relative), predict and
     generate equal the model trained alone; every replica stores 1/2 of
     every weight and of Adam's slots; .weights.h5 files go both ways."""
-    out = cases.train_and_compare(make_strategy(2), name, tmp=str(tmp_path), reference_dir=references)
+    out = cases.train_and_compare(
+        make_strategy(2), name, tmp=str(tmp_path), reference_dir=kerashub_references
+    )
     print(name, out)
     assert not cases.check(out, RTOL, 2), (name, out)
 
 
 @pytest.mark.inprocess
-def test_llama_under_sgd_matches_one_process(tmp_path, references):
+def test_llama_under_sgd_matches_one_process(tmp_path, kerashub_references):
     out = cases.train_and_compare(
-        make_strategy(2), "llama", tmp=str(tmp_path), optimizer="sgd", reference_dir=references
+        make_strategy(2), "llama", tmp=str(tmp_path), optimizer="sgd", reference_dir=kerashub_references
     )
     print(out)
     assert not cases.check(out, RTOL, 2), out
@@ -49,12 +45,12 @@ def test_llama_under_sgd_matches_one_process(tmp_path, references):
 
 @pytest.mark.inprocess
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_a_model_built_in_deferred_weights_is_never_whole(name, tmp_path, references):
+def test_a_model_built_in_deferred_weights_is_never_whole(name, tmp_path, kerashub_references):
     """Built inside `deferred_weights()`, no weight is allocated before
     `fully_shard`, which creates each as its shards with the values the
     model built whole gets from the same seed; training then matches."""
     out = cases.train_and_compare(
-        make_strategy(2), name, tmp=str(tmp_path), deferred=True, reference_dir=references
+        make_strategy(2), name, tmp=str(tmp_path), deferred=True, reference_dir=kerashub_references
     )
     print(name, out)
     assert out["unallocated_before_sharding"] is True
