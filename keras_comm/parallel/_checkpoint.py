@@ -58,8 +58,18 @@ def _gather(pairs):
     per dtype and shard grouping serves all of them (see
     `sharded_weights.gather_values`).
     """
-    values = sharded_weights.gather_values(pairs, name="checkpoint_gather")
-    return [_to_full(s, v) for (_, s), v in zip(pairs, values)]
+    out = [None] * len(pairs)
+    for i, value in _iter_gather(pairs):
+        out[i] = value
+    return out
+
+
+def _iter_gather(pairs):
+    """`_gather`, one ``(index, full value)`` at a time: a save writes each
+    value and drops it before the next batch is gathered
+    (`sharded_weights.iter_gather_values`)."""
+    for i, value in sharded_weights.iter_gather_values(pairs, name="checkpoint_gather"):
+        yield i, _to_full(pairs[i][1], value)
 
 
 def _to_full(spec, value):
@@ -106,7 +116,7 @@ def save_layer(layer, store):
     """`Layer.save_own_variables` for layers with sharded weights."""
     variables = _layer_variables(layer)
     pairs = [(v, sharded_weights.shard_spec(v)) for v in variables]
-    for i, value in enumerate(_gather(pairs)):
+    for i, value in _iter_gather(pairs):
         store[str(i)] = value
 
 
@@ -156,11 +166,16 @@ def _save_optimizer(self, store):
     external, owned = _external_flags(self)
     if not any(specs) and not any(owned):
         return _original("save_own_variables")(self, store)
-    pairs = [(v, spec) for v, spec, own in zip(self.variables, specs, owned) if not own]
-    values = iter(_gather(pairs))
+    # Each value is written as it is gathered (in batches of
+    # sharded_weights.GATHER_BYTES), an external one one variable at a time:
+    # a save never holds the full optimizer state.
+    indices = [i for i, own in enumerate(owned) if not own]
+    pairs = [(self.variables[i], specs[i]) for i in indices]
+    for j, value in _iter_gather(pairs):
+        store[str(indices[j])] = value
     for i, (v, own) in enumerate(zip(self.variables, owned)):
-        # An external value is gathered and written one variable at a time.
-        store[str(i)] = external.value(v) if own else next(values)
+        if own:
+            store[str(i)] = external.value(v)
 
 
 def _load_optimizer(self, store):

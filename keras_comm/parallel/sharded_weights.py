@@ -357,14 +357,18 @@ def _plain_value(weight):
 
 
 # [Note: host-side gathers] `gather_values` (full weights, saving) runs one
-# all-gather per dtype and shard grouping, however many variables it is
-# given: each replica flattens its shards (split axis first) into one vector,
-# the vectors are gathered, and the host cuts every full value out of the
-# result (pure data movement, so exact). A shard grouping is the partition
-# of the world into the specs' model groups (`spec.model_group(rank)` for
-# every rank), so a `ShardSpec` split over one mesh axis and a Pipeline's
-# `StageBufferSpec` (the pipeline and tensor-parallel axes together) never
-# share a gather, and every worker forms the same buckets in the same order.
+# all-gather per dtype and shard grouping for up to `GATHER_BYTES` of full
+# values (so one for a small model): each replica flattens its shards (split
+# axis first) into one vector, the vectors are gathered, and the host cuts
+# every full value out of the result (pure data movement, so exact). A shard
+# grouping is the partition of the world into the specs' model groups
+# (`spec.model_group(rank)` for every rank), so a `ShardSpec` split over one
+# mesh axis and a Pipeline's `StageBufferSpec` (the pipeline and
+# tensor-parallel axes together) never share a gather, and every worker
+# forms the same batches in the same order. The byte bound keeps a save's
+# transient to one batch: gathering all of a 160M-parameter model's Adam
+# slots at once held several full copies of them (the flat vector, its host
+# copy, the values cut out of it) and took a worker past 5 GiB.
 # The traced gather takes that vector as its argument and relaxes its
 # length after the second one (`reduce_retracing`), so a few traces per
 # dtype and grouping serve every layer and every later call (a layer saved
@@ -419,49 +423,88 @@ def gather_values(pairs, name="gather_values"):
     split: all workers must call it with the same variables, in the same
     order.
     """
+    out = [None] * len(pairs)
+    for i, value in iter_gather_values(pairs, name):
+        out[i] = value
+    return out
+
+
+#: The most bytes of full values one host gather assembles (a variable larger
+#: than this is gathered alone). Saving a model writes each value as it
+#: arrives (`iter_gather_values`), so a save holds one such batch beside the
+#: model, not a second full copy of every weight and optimizer slot.
+GATHER_BYTES = 64 * 2**20
+
+
+def iter_gather_values(pairs, name="gather_values", max_bytes=None):
+    """`gather_values`, one value at a time: yields ``(index, value)`` pairs.
+
+    Unsplit variables come first, then the split ones batch by batch: the
+    split variables of one dtype and shard grouping, in order, share an
+    all-gather of at most `max_bytes` (default `GATHER_BYTES`) of full
+    values. Each batch's values are yielded before the next is gathered, so
+    a caller that writes and drops them holds one batch at a time. The
+    same collective contract as `gather_values`.
+    """
+    max_bytes = GATHER_BYTES if max_bytes is None else max_bytes
     strategy = strategy_of([v for v, _ in pairs])
     world = strategy.num_replicas_in_sync
-    out = [None] * len(pairs)
     split = []
     for i, (v, spec) in enumerate(pairs):
         if spec is None or spec.num_shards == 1 or world == 1:
-            out[i] = np.asarray(v.numpy())
+            yield i, np.asarray(v.numpy())
         else:
             split.append(i)
     if not split:
-        return out
+        return
     first = local_ranks(len(components(pairs[split[0]][0])), strategy)[0]
-    with strategy.scope():
-        buckets, memo = {}, {}
+    buckets, memo = {}, {}
+    with strategy.scope():  # model groups are the strategy's ranks
         for i in split:
             grouping = _grouping(pairs[i][1], world, memo)
             buckets.setdefault((grouping, _tf_variable(pairs[i][0]).dtype), []).append(i)
-        for (grouping, _), members in buckets.items():
-            comps = [components(pairs[i][0]) for i in members]
-            axes = [pairs[i][1].shard_axis for i in members]
-            flats = []
-            for r in range(len(comps[0])):
-                with tf.device(comps[0][r].device):
-                    flats.append(tf.concat([
-                        tf.reshape(tf.experimental.numpy.moveaxis(c[r], axis, 0), [-1])
-                        for c, axis in zip(comps, axes)
-                    ], 0))
-            fn = _host_gather_fn(strategy, grouping, name)
-            gathered = fn(tf_api.per_replica(flats))
-            # The first local replica's gather: rows are its group's members
-            # in rank order, each holding every variable's flattened shard.
-            gathered = np.asarray(strategy.experimental_local_results(gathered)[0])
-            rows = len(next(g for g in grouping if first in g))
-            gathered = gathered.reshape(rows, -1)
-            start = 0
-            for c, axis, i in zip(comps, axes, members):
-                moved = _axis_first(c[0].shape, axis)
-                size = math.prod(moved)
-                piece = gathered[:, start:start + size]
-                start += size
-                piece = piece.reshape((rows * moved[0],) + moved[1:])
-                out[i] = np.moveaxis(piece, 0, axis)
-    return out
+    for (grouping, dtype), members in buckets.items():
+        rows = len(next(g for g in grouping if first in g))
+        batch, batch_bytes = [], 0
+        for i in members:
+            nbytes = rows * math.prod(components(pairs[i][0])[0].shape) * dtype.size
+            if batch and batch_bytes + nbytes > max_bytes:
+                yield from _gather_batch(strategy, grouping, rows, batch, pairs, name)
+                batch, batch_bytes = [], 0
+            batch.append(i)
+            batch_bytes += nbytes
+        yield from _gather_batch(strategy, grouping, rows, batch, pairs, name)
+
+
+def _gather_batch(strategy, grouping, rows, members, pairs, name):
+    """Yields ``(index, full value)`` of `members` (indices into `pairs`:
+    split variables of one shard grouping and dtype) from one all-gather;
+    `rows`: the first local replica's group size."""
+    comps = [components(pairs[i][0]) for i in members]
+    axes = [pairs[i][1].shard_axis for i in members]
+    with strategy.scope():
+        flats = []
+        for r in range(len(comps[0])):
+            with tf.device(comps[0][r].device):
+                flats.append(tf.concat([
+                    tf.reshape(tf.experimental.numpy.moveaxis(c[r], axis, 0), [-1])
+                    for c, axis in zip(comps, axes)
+                ], 0))
+        fn = _host_gather_fn(strategy, grouping, name)
+        gathered = fn(tf_api.per_replica(flats))
+        del flats
+        # The first local replica's gather: rows are its group's members
+        # in rank order, each holding every variable's flattened shard.
+        gathered = np.asarray(strategy.experimental_local_results(gathered)[0])
+    gathered = gathered.reshape(rows, -1)
+    start = 0
+    for c, axis, i in zip(comps, axes, members):
+        moved = _axis_first(c[0].shape, axis)
+        size = math.prod(moved)
+        piece = gathered[:, start:start + size]
+        start += size
+        piece = piece.reshape((rows * moved[0],) + moved[1:])
+        yield i, np.moveaxis(piece, 0, axis)
 
 
 def set_full_weights(model_or_layer, values):
