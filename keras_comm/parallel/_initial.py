@@ -14,10 +14,11 @@ same shard would start -- and, their gradients being summed, stay --
 different.
 
 `chief_value` does for those full values what MWMS does for mirrored ones:
-worker 0 computes the value, one broadcast per weight sends it to every
-worker, and each worker keeps its slices. Names, seeds and the process's
-history then cannot matter. Only with more than one worker: in one process
-every local replica slices the same host value already.
+worker 0 computes the value, broadcasts send it to every worker (in pieces
+of at most `_PIECE_BYTES`), and each worker keeps its slices. Names, seeds
+and the process's history then cannot matter. Only with more than one
+worker: in one process every local replica slices the same host value
+already.
 
 Every worker must call `chief_value` for the same weights in the same order
 (as it creates the same variables in the same order under MWMS, whose own
@@ -39,6 +40,11 @@ from keras_comm import watchdog
 # The dtypes `keras_comm.ops.broadcast` sends as they are; integer and bool
 # values travel as int64 (exactly), anything else is refused.
 _SENT_AS_IS = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+# Values travel in pieces of at most this many bytes: a collective's
+# transport copies what it sends and receives into host buffers that the
+# process keeps, a few times a piece's size.
+_PIECE_BYTES = 4 << 20
 
 _SITE = watchdog.Site("the broadcast of worker 0's initial weights")
 
@@ -71,15 +77,15 @@ def chief_value(strategy, shape, dtype, compute):
         return np.asarray(compute())
     dtype = tf.as_dtype(dtype)
     shape = tuple(int(d) for d in shape)
-    if topology.is_chief(strategy):
+    chief = topology.is_chief(strategy)
+    if chief:
         value = np.asarray(compute())
         if value.shape != shape:  # a bug of the caller: the receivers expect `shape`
             raise ValueError(
                 f"The initial value to broadcast must have shape {shape}. "
                 f"Received: value of shape {value.shape}"
             )
-    else:
-        value = np.zeros(shape, dtype.as_numpy_dtype)  # only its shape and dtype are used
+        value = np.reshape(value, [-1])
     wire = dtype
     if dtype not in _SENT_AS_IS:
         if not (dtype.is_integer or dtype.is_bool):
@@ -88,11 +94,16 @@ def chief_value(strategy, shape, dtype, compute):
                 f"be sent (floating, integer and bool can). Received: dtype={dtype.name}"
             )
         wire = tf.int64
-    flat = tf.cast(tf.reshape(tf.constant(value), [-1]), wire)
+    size = int(np.prod(shape))
+    out = np.empty(size, dtype.as_numpy_dtype)
+    step = max(1, _PIECE_BYTES // wire.size)
     with strategy.scope(), errors.collective_errors(), watchdog.guard(_SITE):
-        out = _broadcast_function(strategy)(flat)
-    local = strategy.experimental_local_results(out)[0]
-    return np.asarray(tf.cast(local, dtype)).reshape(shape)
+        for start in range(0, max(size, 1), step):
+            stop = min(start + step, size)
+            part = value[start:stop] if chief else np.zeros(stop - start, dtype.as_numpy_dtype)
+            got = _broadcast_function(strategy)(tf.cast(tf.constant(part), wire))
+            out[start:stop] = np.asarray(tf.cast(strategy.experimental_local_results(got)[0], dtype))
+    return out.reshape(shape)
 
 
 def _broadcast_function(strategy):
