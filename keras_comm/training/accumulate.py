@@ -100,6 +100,29 @@ def apply_update(user, inner, masters, grads, variables, whole_gradients):
     return tf.constant(True)
 
 
+def clear(buffer, zero):
+    """Sets `buffer`, a tf.Variable, to zeros made when the step runs.
+
+    [Note: clearing a buffer] ``v.assign(tf.zeros_like(v))`` in a compiled
+    step clears `v` with a constant: Grappler folds the zeros of a fully
+    known shape into a `Const` node, whose tensor the function keeps for its
+    lifetime, and the assigned variable shares that tensor's buffer. The
+    next ``assign_add`` cannot update a shared buffer in place and copies
+    it, so a cleared buffer is held twice from the next micro step on (the
+    constant and the variable's copy). A fill of `zero`, a scalar variable
+    holding 0, cannot be folded (its value is read when the step runs): the
+    zeros are made at run time, the variable adopts their buffer, and later
+    adds update it in place. (A strided-slice assignment of a scalar zero
+    would write in place, but it puts the variable in copy-on-read mode:
+    every later read and add copies it. `Empty` is stateful: automatic
+    control dependencies chain it with the step's other stateful ops that
+    take no resource, such as a pipeline's sends and receives, and a
+    pipeline step under this callback then waits forever.)
+    """
+    value = tf.cast(zero.read_value(), buffer.dtype)
+    return buffer.assign(tf.fill(buffer.shape.as_list(), value))
+
+
 def grow_loss_scale(lso):
     """A finite step of dynamic loss scaling: count, and double every N steps."""
     counter = local_variable(lso.step_counter)
@@ -277,7 +300,7 @@ class AccumulateStep:
         ):
             if acc is not None:
                 with tf.control_dependencies([c]):
-                    acc.assign(tf.zeros_like(acc))
+                    clear(acc, replica.zero)
         scale = replica.scale.read_value()
         grads = []
         if s.variables:
@@ -286,14 +309,18 @@ class AccumulateStep:
             # (zero_stage 0), reduce-scatter (1) or already reduced (2).
             def reduce(k):
                 piece = self._bucket(contribution, k)
-                if isinstance(contribution, _Accumulated):
-                    # The bucket's buffer is cleared once read.
-                    contribution.clear(k, after=piece)
                 if s.zero_stage == 1:
                     piece = self._reduce_scatter(piece)
                 elif s.zero_stage == 0 and not call.trivial:
                     piece = _collective.run(lambda: _collective.all_reduce(piece, call))
-                return packing.split_shards(piece * scale, s.layout.sub(*s.buckets[k]))
+                piece = piece * scale
+                if isinstance(contribution, _Accumulated):
+                    # The bucket's buffer is cleared once its read is used
+                    # up, so that its fresh zeros (see `clear`) are made as
+                    # the read is freed, not beside every bucket still
+                    # waiting for its collective.
+                    contribution.clear(k, after=piece, zero=replica.zero)
+                return packing.split_shards(piece, s.layout.sub(*s.buckets[k]))
 
             # Last bucket first (see `_reversed`).
             for shards in _reversed(range(len(s.buckets)), reduce):
@@ -653,9 +680,9 @@ class _Accumulated:
     def bucket(self, k):
         return self.buffers[k].read_value()
 
-    def clear(self, k, after):
+    def clear(self, k, after, zero):
         with tf.control_dependencies([after]):
-            self.buffers[k].assign(tf.zeros_like(self.buffers[k]))
+            clear(self.buffers[k], zero)
 
 
 def _reversed(buckets, fn):

@@ -176,8 +176,18 @@ class ReplicaState:
                 )
                 for i, _, glayout in grouped
             ]
+        # Released before the clone is built on them (it reads their shapes
+        # only), and its slots released before the buffers are made, so that
+        # creating the state holds one of the three at a time, not their sum.
+        self.release_masters()
+        with tf.device(device):
             self.inner = config["class"].from_config(config["config"])
-            self.inner.build(self.masters + self.hooked_masters + self.grouped_masters)
+            self.inner.build(self.all_masters())
+        # Filled from the user's slots (or a checkpoint) when the state takes
+        # the slots over; until then they hold no memory.
+        for v in self.slot_variables():
+            release(v)
+        with tf.device(device):
             self.acc = [
                 tf.Variable(tf.zeros([size], tf.float32), trainable=False)
                 for size in acc_sizes
@@ -200,11 +210,9 @@ class ReplicaState:
             )
             # Set by the host before an update: 1/k for a mean over k micro-batches.
             self.scale = tf.Variable(1.0, trainable=False)
-        self.release_masters()
-        # Filled from the user's slots (or a checkpoint) when the state takes
-        # the slots over; until then they hold no memory.
-        for v in self.slot_variables():
-            release(v)
+            # Always 0: the buffers are cleared with fills of it, read when the
+            # step runs (a constant zero would be folded, see `accumulate.clear`).
+            self.zero = tf.Variable(0.0, trainable=False)
 
     def release_masters(self):
         """Host side, after an update: the masters' memory back to the allocator."""
