@@ -224,7 +224,7 @@ def _prefix(args, rank):
     return Path(args.dir) / f"{args.mode}.{args.phase}.rank{rank}"
 
 
-def run(args, rank):
+def run(args, rank, cap_record=None):
     import tensorflow as tf
 
     import keras
@@ -236,6 +236,14 @@ def run(args, rank):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     # After the strategy: the sampler's allocator queries start TensorFlow's runtime.
     sampler = memory._Sampler()
+    if cap_record is not None:
+        enter = sampler.enter
+
+        def entering(phase):
+            cap_record["stopped_in"] = phase  # what the cap's record says, if it stops here
+            enter(phase)
+
+        sampler.enter = entering
     n = strategy.num_replicas_in_sync
     config = CONFIGS[args.model]
     chief = keras_comm.topology.is_chief(strategy)
@@ -278,7 +286,12 @@ def run(args, rank):
         def on_train_batch_end(self, batch, logs=None):
             clock.append(time.perf_counter() - self.t)
 
-    callbacks = [memory._phase_callback(sampler), Clock(),
+    class BackupPhase(keras.callbacks.Callback):
+        # Before BackupAndRestore's epoch end: its save is a phase of its own.
+        def on_epoch_end(self, epoch, logs=None):
+            sampler.enter(f"epoch {epoch} backup")
+
+    callbacks = [memory._phase_callback(sampler), Clock(), BackupPhase(),
                  keras_comm.callbacks.BackupAndRestore(str(backup)), KeepEpoch1()]
     history = model.fit(x, y, batch_size=args.per_replica_batch * n, epochs=2, shuffle=False,
                         verbose=0, callbacks=callbacks)
@@ -337,14 +350,16 @@ def main(argv=None):
         parser.error("a run needs --mode, --dir and one of --cap-mib and --budget-mib")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     rank = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
+    record = None
     if args.cap_mib is not None:
         from benchmarks import fsdp_capped
 
-        fsdp_capped.install_exit_cap(
-            args.cap_mib, f"{_prefix(args, rank)}.capped.json",
-            {"rank": rank, "mode": args.mode, "phase": args.phase, "model": args.model},
-        )
-    result = run(args, rank)
+        # The record is written when the cap stops the process; `run` keeps
+        # its "stopped_in" at the phase being measured (build, step i, save).
+        record = {"rank": rank, "mode": args.mode, "phase": args.phase, "model": args.model,
+                  "stopped_in": "start"}
+        fsdp_capped.install_exit_cap(args.cap_mib, f"{_prefix(args, rank)}.capped.json", record)
+    result = run(args, rank, record)
     Path(f"{_prefix(args, rank)}.json").write_text(json.dumps(result))
     print(f"[capped] rank {rank}: {args.mode} {args.phase} trained under the cap, peak RSS "
           f"{result['peak_mib']:.0f} MiB ({result['peak_above_baseline_mib']:.0f} above its "
@@ -370,7 +385,9 @@ def table(directory):
         caps |= {r["cap_mib"] for r in first}
         capped = sorted((r for r in first if "stopped_at_rss_mib" in r), key=lambda r: r["rank"])
         if capped:
-            rows.append([mode, f"stopped by the cap ({capped[0]['cap_mib']:.0f} MiB)",
+            where = sorted({c["stopped_in"] for c in capped if "stopped_in" in c})
+            rows.append([mode, f"stopped by the cap ({capped[0]['cap_mib']:.0f} MiB)"
+                         + (f" in {', '.join(where)}" if where else ""),
                          " / ".join(f"rank {c['rank']}: > {c['cap_mib']:.0f}" for c in capped),
                          "–", "–", "–", "–", "–", "–"])
             continue
