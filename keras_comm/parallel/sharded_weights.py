@@ -366,9 +366,9 @@ def _plain_value(weight):
 # mesh axis and a Pipeline's `StageBufferSpec` (the pipeline and
 # tensor-parallel axes together) never share a gather, and every worker
 # forms the same batches in the same order. The byte bound keeps a save's
-# transient to one batch: gathering all of a 160M-parameter model's Adam
-# slots at once held several full copies of them (the flat vector, its host
-# copy, the values cut out of it) and took a worker past 5 GiB.
+# transient to one batch: one gather of everything would hold several full
+# copies of the model's weights or optimizer slots at once (the flat vector,
+# its host copy, the values cut out of it).
 # The traced gather takes that vector as its argument and relaxes its
 # length after the second one (`reduce_retracing`), so a few traces per
 # dtype and grouping serve every layer and every later call (a layer saved

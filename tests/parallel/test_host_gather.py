@@ -2,7 +2,8 @@
 
 `full_weights`, `save_weights` and `save` of FullyShard and tensor-parallel
 models (and a Pipeline's optimizer slots) cut every full value out of one
-all-gather per dtype and shard grouping. Each check compares it with the value assembled on the host
+all-gather per dtype and shard grouping, at most `GATHER_BYTES` at a time.
+Each check compares it with the value assembled on the host
 from the replicas' components (all 4 are local here, component i is rank i):
 a Pipeline's stage buffer (`StageBufferSpec`) next to tensor-parallel
 weights of the same mesh, whose model groups differ; and weights split by a
@@ -97,8 +98,7 @@ def test_values_are_gathered_in_bounded_batches_one_batch_at_a_time(tmp_path, mo
     """`iter_gather_values` gathers at most GATHER_BYTES of full values at
     once (a larger variable alone) and yields each batch's values before it
     gathers the next, so a save that writes each value as it comes holds one
-    batch, not every weight and optimizer slot (gathered at once, a 160M
-    Llama's Adam slots took a worker past 5 GiB); the values and the saved
+    batch, not every weight and optimizer slot; the values and the saved
     file are the ones gathered at once."""
     strategy = make_strategy(2)
     keras.utils.set_random_seed(0)
