@@ -70,6 +70,7 @@ def test_kerashub_models_under_keras_distribution_across_processes(tmp_path, tmp
     # Fresh processes resume every case from the first launch's backups.
     resumed = run_cluster("parallel/distribution_worker.py", 2, tmp_path, "resume", timeout=600).check()
     print("resume group seconds:", [r["group_seconds"] for r in resumed.results])
+    print("resume group CPU seconds:", [r["group_cpu_seconds"] for r in resumed.results])
     for rank, (first, second) in enumerate(zip(result.results, resumed.results, strict=True)):
         for case in W.RESUME_CASES:
             got = rel(first["uninterrupted"][case], second["resumed"][case])
@@ -82,6 +83,7 @@ def test_kerashub_float64_resume_on_four_workers():
     launch = shared_cluster("parallel/pipeline_worker.py", 4, timeout=1200).check()
     results = [r["kerashub"] for r in launch.results]
     print("kerashub group seconds:", [r["group_seconds"].get("kerashub") for r in launch.results])
+    print("launch group CPU seconds:", [r["group_cpu_seconds"] for r in launch.results])
     chief = results[0]
     for case, (name, mode, _) in W.FOUR_WORKER_CASES.items():
         want = chief[case]["one_process"]
