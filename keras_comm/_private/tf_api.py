@@ -228,6 +228,19 @@ def per_replica_component_spec(spec):
     return spec
 
 
+def shard_value(value, dtype):
+    """`value`, a slice of a larger tensor, as a tensor of `dtype` with a
+    buffer of its own, to assign to a variable.
+
+    A slice along a tensor's leading dimension shares the full tensor's
+    buffer, and a variable assigned a tensor nothing else references adopts
+    that buffer: assigned a plain slice of a full weight, the variable keeps
+    the whole weight alive for its lifetime. The copy costs one shard.
+    (Slices of numpy arrays are copied by the assignment itself.)
+    """
+    return tf.raw_ops.DeepCopy(x=tf.cast(value, dtype))
+
+
 def local_component(variable):
     """The current replica's component of a distributed tf.Variable (others as is).
 

@@ -211,13 +211,14 @@ class ShardedVariable(keras.Variable):
                 f"{tuple(value.shape)}"
             )
         if _in_replica_step():
-            tf_api.local_component(self.value).assign(blocks.slice(value, topology.rank()))
+            local = tf_api.local_component(self.value)
+            local.assign(tf_api.shard_value(blocks.slice(value, topology.rank()), local.dtype))
             return value
         strategy = self._keras_comm_strategy
         comps = strategy.experimental_local_results(self.value)
         with tf.init_scope(), strategy.scope():
             for rank, comp in zip(local_ranks(strategy, len(comps)), comps):
-                comp.assign(blocks.slice(value, rank))
+                comp.assign(tf_api.shard_value(blocks.slice(value, rank), comp.dtype))
         return value
 
 

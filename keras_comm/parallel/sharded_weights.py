@@ -262,7 +262,7 @@ def assign_process_shards(variable, shards):
     with tf.init_scope():
         for r, c in zip(local_ranks(len(comps), strategy_of([variable])), comps):
             if r in shards:
-                c.assign(tf.cast(shards[r], c.dtype))
+                c.assign(tf_api.shard_value(shards[r], c.dtype))
 
 
 # The names before `process_shards` / `assign_process_shards`: "local" also
