@@ -31,12 +31,12 @@ the cap stopped it (``--budget-mib`` instead caps each worker's growth
 above its RSS before the model is built). The benchmark's runs (4 workers,
 one at a time):
 
-    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama48m --mode MODE --phase first --cap-mib 2400 --dir DIR
-    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama48m --mode MODE --phase resume --cap-mib 2400 --dir DIR
+    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama160m --mode MODE --phase first --cap-mib 3300 --dir DIR
+    python -m keras_comm_run -n 4 -m benchmarks.kerashub_capped --model llama160m --mode MODE --phase resume --cap-mib 3300 --dir DIR
 
 with MODE plain, layout and fully_shard. ``python -m
 benchmarks.kerashub_capped --table DIR`` prints the results table from the
-rank files (docs/results/kerashub_cap_llama48m.json holds the measured one).
+rank files (docs/results/kerashub_cap_llama160m.json holds the measured one).
 """
 
 import argparse
@@ -53,12 +53,13 @@ FLOAT32 = 4
 
 #: name -> LlamaBackbone arguments; every dimension the layout map splits
 #: divides by 4. ``llama48m``: 48.2M parameters, 8 blocks (184 MiB of
-#: float32 weights; with gradients and Adam's two slots 736 MiB): the
-#: benchmark's. ``llama111m``: 111.3M parameters, 90% of them in the
+#: float32 weights; with gradients and Adam's two slots 736 MiB).
+#: ``llama111m``: 111.3M parameters, 90% of them in the
 #: vocabulary-sized embedding and output projection (1.66 GiB of such
 #: state, a cheap step). ``llama12m`` (12.8M) and ``llama3m`` (3.4M):
 #: quicker runs. ``llama160m``: 159.4M parameters, 8 blocks of hidden size
-#: 1024 (2432 MiB of weights, gradients and Adam's slots unsharded).
+#: 1024 (2432 MiB of weights, gradients and Adam's slots unsharded): the benchmark's
+#: (its unsharded state stops a worker at a cap the sharded modes pass).
 CONFIGS = {
     "llama160m": dict(vocabulary_size=16384, num_layers=8, num_query_heads=16,
                       num_key_value_heads=8, hidden_dim=1024, intermediate_dim=4096),
