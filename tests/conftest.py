@@ -6,6 +6,7 @@ can run 2 or 4 replicas of a `MultiWorkerMirroredStrategy` in this process.
 Multi-process tests live beside them and use `tests/_cluster.py`.
 """
 
+import gc
 import json
 import os
 import resource
@@ -76,6 +77,17 @@ def make_strategy(num_replicas):
         finally:
             cls._collective_key_base = 0
     return _strategies[num_replicas]
+
+
+def live_bytes():
+    """The bytes of TensorFlow's live CPU tensors, by its own allocator's count
+    (`tf.config.experimental.get_memory_info`), after a garbage collection;
+    skips the test where the allocator does not count (the system allocator)."""
+    gc.collect()
+    try:
+        return tf.config.experimental.get_memory_info("CPU:0")["current"]
+    except ValueError:
+        pytest.skip("TensorFlow's CPU allocator does not count its bytes here")
 
 
 def run_replicas(strategy, fn, *args, mode="function"):

@@ -7,26 +7,15 @@ shared the full value's buffer would keep the full value alive for as long
 as the weight lives. Exactness is test_distribution.py's.
 """
 
-import gc
-
 import keras
 import numpy as np
-import pytest
-import tensorflow as tf
 
 import keras_comm
+from conftest import live_bytes
 from conftest import make_strategy
 
 MIB = 2**20
 ROWS, COLS = 4096, 2048  # a 32 MiB float32 kernel
-
-
-def _live_bytes():
-    gc.collect()
-    try:
-        return tf.config.experimental.get_memory_info("CPU:0")["current"]
-    except ValueError:  # an allocator that does not count (the system allocator)
-        pytest.skip("TensorFlow's CPU allocator does not count its bytes here")
 
 
 def _row_split_model():
@@ -54,17 +43,17 @@ def test_set_weights_and_loading_keep_only_the_blocks(tmp_path):
     model, kernel = _row_split_model()
     values = [np.random.RandomState(1).standard_normal((ROWS, COLS)).astype("float32"),
               np.zeros((COLS,), "float32")]
-    before = _live_bytes()
+    before = live_bytes()
     model.set_weights(values)
-    grown = _live_bytes() - before
+    grown = live_bytes() - before
     assert abs(grown) < MIB / 2, ("set_weights", grown / MIB)
     np.testing.assert_array_equal(np.asarray(kernel), values[0])
 
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
     kernel.assign(np.zeros((ROWS, COLS), "float32"))
-    before = _live_bytes()
+    before = live_bytes()
     model.load_weights(path)
-    grown = _live_bytes() - before
+    grown = live_bytes() - before
     assert abs(grown) < MIB / 2, ("load_weights", grown / MIB)
     np.testing.assert_array_equal(np.asarray(kernel), values[0])

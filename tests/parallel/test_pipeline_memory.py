@@ -8,20 +8,12 @@ difference. Exactness is test_pipeline.py's.
 
 import keras
 import numpy as np
-import pytest
-import tensorflow as tf
 
+from conftest import live_bytes
 from conftest import make_strategy
 from keras_comm.parallel import Pipeline
 
 MIB = 2**20
-
-
-def _live_bytes():
-    try:
-        return tf.config.experimental.get_memory_info("CPU:0")["current"]
-    except ValueError:  # an allocator that does not count (the system allocator)
-        pytest.skip("TensorFlow's CPU allocator does not count its bytes here")
 
 
 def test_a_stage_smaller_than_the_buffer_keeps_no_zeros_for_its_padding():
@@ -43,7 +35,7 @@ def test_a_stage_smaller_than_the_buffer_keeps_no_zeros_for_its_padding():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 128)).astype("float32")
     y = rng.normal(size=(8, 2)).astype("float32")
-    before = _live_bytes()
+    before = live_bytes()
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    kept = _live_bytes() - before
+    kept = live_bytes() - before
     assert kept < padding / 4, f"the step keeps {kept / MIB:.1f} MiB (padding {padding / MIB:.1f} MiB)"

@@ -102,9 +102,9 @@ def test_state_creation_holds_one_kind_at_a_time():
     model.fit(_ds(2), epochs=1, verbose=0, callbacks=[first, po, last])
     parts = po.state_bytes(breakdown=True)  # one replica: whole slots, masters and buffers
     assert parts["optimizer"] >= 32 * MIB
-    # Alone this measures the largest kind (32.0 MiB); in the whole suite it
-    # once measured two kinds together (47.8 MiB, cause not found), so the
-    # bound is the one a user's process relies on: never all three at once.
+    # Alone this measures the largest kind (32 MiB); in a long-lived process
+    # two kinds can be alive together (what keeps a released one is not
+    # known), so the bound is: never all three at once.
     total, smallest = sum(parts.values()), min(parts.values())
     assert last.rise < total - smallest / 2, (
         f"creating the state peaked {last.rise / MIB:.1f} MiB above what was alive; "
