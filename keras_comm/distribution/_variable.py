@@ -39,6 +39,9 @@ Assigning a full value (`set_weights`, loading a file) writes each replica
 its block.
 """
 
+import dataclasses
+import weakref
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -117,27 +120,15 @@ class ShardedVariable(keras.Variable):
         return keras_api.autocast(self, self._host_full())
 
     def _gather(self, block):
-        blocks = self.blocks
-        rank = _collectives.my_rank()
-        shape = list(blocks.block_shape)
-        for dim, axes in enumerate(blocks.dim_axes):
-            if blocks.pieces(dim) > 1:
-                block = _collectives.gather_along(
-                    block, dim, blocks.gather_group(dim, rank), name=f"{self.path}_gather"
-                )
-                # The gathers leave the gathered dimension unknown; layers
-                # (and the next gather) read shapes.
-                shape[dim] = blocks.full_shape[dim]
-                block = tf.ensure_shape(block, shape)
-        return block
+        return _gather_block(self.blocks, block, name=f"{self.path}_gather")
 
     def _host_full(self):
         strategy = self._keras_comm_strategy
         comps = strategy.experimental_local_results(self.value)
         ranks = local_ranks(strategy, len(comps))
         blocks = self.blocks
+        by_rank = dict(zip(ranks, comps))
         if topology.worker_count(strategy) == 1:
-            by_rank = dict(zip(ranks, comps))
 
             def block_of(index):
                 return tf.convert_to_tensor(by_rank[blocks.owner(index, ranks)])
@@ -149,19 +140,11 @@ class ShardedVariable(keras.Variable):
                 "a replica step inside a tf.function (e.g. `generate()`): gather it "
                 "first, `with keras_comm.distribution.gathered(model): ...`."
             )
-        fn = getattr(self, "_keras_comm_read", None)
-        if fn is None:
-
-            def replica_fn():
-                return self._gather(tf.identity(self.value))
-
-            def gather_everywhere():
-                return strategy.run(replica_fn)
-
-            fn = tf.function(gather_everywhere)
-            self._keras_comm_read = fn
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.convert_to_tensor(by_rank[ctx.replica_id_in_sync_group])
+        )
         with strategy.scope():
-            out = fn()
+            out = _host_gather(strategy, blocks, self.value.dtype)(per_replica)
         return strategy.experimental_local_results(out)[0]
 
     def numpy(self):
@@ -254,6 +237,44 @@ ShardedVariable.__hash__ = keras.Variable.__hash__
 
 def _concat(parts, axis):
     return tf.concat(parts, axis)
+
+
+def _gather_block(blocks, block, name):
+    """Replica context: `block` all-gathered over each split dimension's group."""
+    rank = _collectives.my_rank()
+    shape = list(blocks.block_shape)
+    for dim in range(len(shape)):
+        if blocks.pieces(dim) > 1:
+            block = _collectives.gather_along(block, dim, blocks.gather_group(dim, rank), name=name)
+            # The gathers leave the gathered dimension unknown; layers
+            # (and the next gather) read shapes.
+            shape[dim] = blocks.full_shape[dim]
+            block = tf.ensure_shape(block, shape)
+    return block
+
+
+# Per strategy, the host reads' gather functions, one per split (the Blocks
+# without their path) and dtype: a model's weights of one shape and layout
+# share one traced function instead of tracing one each.
+_HOST_GATHERS = weakref.WeakKeyDictionary()
+
+
+def _host_gather(strategy, blocks, dtype):
+    """A `tf.function` taking every replica's block, returning the full weight."""
+    split = dataclasses.replace(blocks, path="")
+    functions = _HOST_GATHERS.setdefault(strategy, {})
+    fn = functions.get((split, dtype))
+    if fn is None:
+
+        def replica_fn(block):
+            return _gather_block(split, block, name="host_read_gather")
+
+        @tf.function
+        def gather_everywhere(per_replica):
+            return strategy.run(replica_fn, args=(per_replica,))
+
+        fn = functions[(split, dtype)] = gather_everywhere
+    return fn
 
 
 def local_ranks(strategy, num_components):
