@@ -399,7 +399,6 @@ class ParallelOptimizer(keras.callbacks.Callback):
                 accumulate_plan.accumulation_scale(self._pending + 1, self.mean)
             )
             logs = self._functions["apply"](iterator)
-            self._engine.state.release_masters()
             self._pending = 0
             self.counts["updates"] += 1
         else:
@@ -433,7 +432,6 @@ class ParallelOptimizer(keras.callbacks.Callback):
         if self._pending and self._functions and self._functions["flush"] is not None:
             self._engine.state.set_scale(accumulate_plan.accumulation_scale(self._pending, self.mean))
             self._functions["flush"]()
-            self._engine.state.release_masters()
             self._pending = 0
             self.counts["updates"] += 1
 

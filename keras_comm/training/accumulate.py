@@ -20,7 +20,7 @@ The replica steps `ParallelOptimizer` compiles through
 5. The full weights back on every replica (one all-gather when sharded).
 
 State (masters, slots, buffers) lives in `optimizer_shards.ShardedState`; the
-masters are filled at step 2 and released by the host after the update, and
+masters are filled at step 2 and released at the end of the update, and
 `ExternalSlots` serves the (released) user optimizer's slots to
 checkpoints.
 Collectives are keras_comm primitives named ``parallel_optimizer_*``, so a
@@ -45,6 +45,7 @@ from keras_comm.training.optimizer_shards import ShardedState
 from keras_comm.training.optimizer_shards import fill
 from keras_comm.training.optimizer_shards import local_variable
 from keras_comm.training.optimizer_shards import prod
+from keras_comm.training.optimizer_shards import release_in_step
 from keras_comm.parallel import _collectives
 from keras_comm.variables import annotations
 from keras_comm.variables import packing
@@ -410,6 +411,9 @@ class AccumulateStep:
                 lambda m=m, gcall=gcall: _collective.all_gather(m.value, gcall)
             )
             _write(v, packing.unpack(gathered, layout, [v.shape])[0])
+        # The masters are scratch: released once step 4 has read them.
+        for m in replica.all_masters():
+            release_in_step(local_variable(m))
 
     def _apply(self, replica, grads):
         s = self.state

@@ -47,9 +47,9 @@ else of the optimizer:
   slot ``kc_master_<i>_<slot>`` is the user's ``<path of variable i>_<slot>``;
 * the masters are scratch: they are refreshed from the model's weights at
   every update anyway, so they are filled (`fill`) at the update and
-  released by the host right after it. A master costs its bytes only while
-  the update runs (for float16/bfloat16 variables too: the weights stay the
-  source of truth).
+  released at its end, in the same step (`release_in_step`). A master costs
+  its bytes only while the update runs (for float16/bfloat16 variables too:
+  the weights stay the source of truth).
 
 Slots of hooked variables (whole, per replica) are not released: the
 user's slot and the clone's are both held (counted by `nbytes`).
@@ -143,6 +143,17 @@ def fill(variable, value):
     return tf.raw_ops.AssignVariableOp(
         resource=variable.handle, value=tf.cast(value, variable.dtype), validate_shape=False
     )
+
+
+def release_in_step(variable):
+    """`release` of a flat (local, tf) `variable` inside a step; read it only after `fill`."""
+    # Of unknown static length: at trace time the assign checks a known one
+    # against the variable's, also with validate_shape=False. Only for flat
+    # variables (the masters): Grappler infers one shape for all of a
+    # variable's values, and one of another rank can make it drop a reshape
+    # of the variable's value as a no-op.
+    empty = tf.compat.v1.placeholder_with_default(tf.zeros([0], variable.dtype), [None])
+    return fill(variable, empty)
 
 
 class ReplicaState:
@@ -334,6 +345,7 @@ class ShardedState:
             ]
 
         self.replicas = outside_strategy(create)
+        self._scale = 1.0  # what every replica's `scale` holds (see `set_scale`)
         self._by_device = {
             tf_api.canonicalize_device(d): s for d, s in zip(self.devices, self.replicas)
         }
@@ -435,8 +447,13 @@ class ShardedState:
     # --- host side ----------------------------------------------------------
 
     def set_scale(self, value):
+        # The factor changes only with a window's length: skipping an equal
+        # one saves an eager assign per replica at every update.
+        if value == self._scale:
+            return
         for s in self.replicas:
             s.scale.assign(value)
+        self._scale = value
 
     def local_norms(self):
         """The first local replica's gradient norms, by variable path."""
@@ -457,10 +474,6 @@ class ShardedState:
     def group_layout_of(self, i):
         """The data-group `Layout` of group-sharded variable `i` (model index)."""
         return self.group_layouts[self.grouped_index.index(i)]
-
-    def release_masters(self):
-        for r in self.replicas:
-            r.release_masters()
 
     def nbytes(self):
         """Bytes one replica holds for the optimizer, by kind.
