@@ -304,6 +304,7 @@ class AccumulateStep:
                     clear(acc, replica.zero)
         scale = replica.scale.read_value()
         grads = []
+        fills = []
         if s.variables:
             # 1. This replica's shard of the summed gradient, bucket by bucket
             # (the transient is a bucket's, not the model's): all-reduce
@@ -328,13 +329,15 @@ class AccumulateStep:
                 grads += shards
             shard_index = call.replica.rank if s.num_shards > 1 else 0
             # 2. Masters from the current weights (released between updates).
-            for master, piece in zip(
-                replica.masters,
-                packing.local_shards(
-                    [v.value for v in s.variables], s.layout, shard_index, tf.float32
-                ),
-            ):
+            fills = [
                 fill(local_variable(master), piece)
+                for master, piece in zip(
+                    replica.masters,
+                    packing.local_shards(
+                        [v.value for v in s.variables], s.layout, shard_index, tf.float32
+                    ),
+                )
+            ]
         # Variables with their own reduction: each through its hook, whole.
         if s.hooked:
             pieces = tf.split(hooked_contribution, [prod(v.shape) for v in s.hooked])
@@ -372,21 +375,23 @@ class AccumulateStep:
                     )[0],
                 )
         # 3. The optimizer update, on this replica's shard.
-        if s.lso is not None:
-            loss_scale = tf.cast(s.lso.dynamic_scale, tf.float32)
-            grads = [g / loss_scale for g in grads]
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-            if (s.num_shards > 1 or s.hooked or s.grouped) and not call.trivial:
-                flag = tf.cast(finite, tf.float32)
-                flag = _collective.run(lambda: _collective.all_reduce(flag, call, op="min"))
-                finite = flag > 0.5
-            tf.cond(
-                finite,
-                lambda: self._finite_update(replica, grads),
-                lambda: shrink_loss_scale(s.lso),
-            )
-        else:
-            self._apply(replica, grads)
+        lent = _lend_to_masters(s.variables, after=grads + fills) if s.num_shards == 1 else []
+        with tf.control_dependencies(lent):
+            if s.lso is not None:
+                loss_scale = tf.cast(s.lso.dynamic_scale, tf.float32)
+                grads = [g / loss_scale for g in grads]
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+                if (s.num_shards > 1 or s.hooked or s.grouped) and not call.trivial:
+                    flag = tf.cast(finite, tf.float32)
+                    flag = _collective.run(lambda: _collective.all_reduce(flag, call, op="min"))
+                    finite = flag > 0.5
+                tf.cond(
+                    finite,
+                    lambda: self._finite_update(replica, grads),
+                    lambda: shrink_loss_scale(s.lso),
+                )
+            else:
+                self._apply(replica, grads)
         # 4. Full weights back on every replica.
         if s.variables:
             if s.num_shards > 1:
@@ -708,8 +713,36 @@ def _reversed(buckets, fn):
     return out
 
 
+def _lend_to_masters(variables, after):
+    """Releases, once `after` has run, each float32 weight whose master is a view of it.
+
+    [Note: whole masters update in place] With one shard (zero_stage 0) a
+    float32 weight's master is its whole value, and `fill` makes the master
+    share the weight's buffer. An in-place update of a shared buffer copies
+    it first, so the optimizer's first update of each master would copy
+    every weight at every update, a copy plain `fit` (which updates the
+    weights themselves) does not make. Released once the update's gradients
+    are reduced, a weight leaves its master the only reference: the master
+    is updated in place, and step 4's write hands the buffer back (an
+    assign adopts its value's buffer). Nothing reads a weight in between.
+    A weight of another dtype has a cast master, a buffer of its own, and
+    scalars cannot be emptied (`release_in_step`): neither is released.
+
+    Returns:
+        The release ops, for the update to wait on.
+    """
+    with tf.control_dependencies(after):
+        return [
+            release_in_step(local_variable(v))
+            for v in variables
+            if local_variable(v).dtype == tf.float32 and len(v.shape)
+        ]
+
+
 def _write(v, value):
     value = tf.cast(value, v.dtype)
     if v.constraint is not None:
         value = v.constraint(value)
-    local_variable(v).assign(value)
+    # A fill, not an assign: `v` may be lent to its master (`_lend_to_masters`),
+    # and an assign checks the value against the variable's current, empty shape.
+    fill(local_variable(v), value)

@@ -146,13 +146,21 @@ def fill(variable, value):
 
 
 def release_in_step(variable):
-    """`release` of a flat (local, tf) `variable` inside a step; read it only after `fill`."""
-    # Of unknown static length: at trace time the assign checks a known one
-    # against the variable's, also with validate_shape=False. Only for flat
-    # variables (the masters): Grappler infers one shape for all of a
-    # variable's values, and one of another rank can make it drop a reshape
-    # of the variable's value as a no-op.
-    empty = tf.compat.v1.placeholder_with_default(tf.zeros([0], variable.dtype), [None])
+    """`release` of a (local, tf) `variable` of rank >= 1 inside a step; read
+    it only after `fill`.
+
+    The empty value keeps the variable's rank and trailing dimensions, with
+    a first dimension of 0 that is unknown statically: at trace time the
+    assign checks a known one against the variable's, also with
+    validate_shape=False. Grappler infers one shape for all of a variable's
+    values, here the variable's with an unknown first dimension; an empty
+    value of another rank would make it take a reshape of the variable's
+    value for a no-op and drop it.
+    """
+    trailing = variable.shape.as_list()[1:]
+    empty = tf.compat.v1.placeholder_with_default(
+        tf.zeros([0] + trailing, variable.dtype), [None] + trailing
+    )
     return fill(variable, empty)
 
 
