@@ -180,8 +180,10 @@ def measure_parallel_optimizer(strategy, configs, per_replica_batch, steps, roun
                 callbacks.insert(0, po)
             entry["model"].fit(ds, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0, callbacks=callbacks)
             acc = config[0] if config is not None else 1
-            # Skip the first window: it traces the micro and apply steps.
-            start = acc - 1 if config is not None else 1
+            # Measured after the first accumulation window, which traces the
+            # micro and apply steps; plain fit is a window of one step, so
+            # every configuration leaves out the same warm-up (as po_overhead).
+            start = acc - 1
             entry["times"].append((timer.ends[-1] - timer.ends[start]) / (steps - 1 - start))
             if entry["info"] is None:
                 entry["info"] = _describe(po, steps, global_batch, entry["model"])
